@@ -1,0 +1,3 @@
+from tpkit.cli import main
+
+main()

@@ -1,0 +1,196 @@
+"""Stage 3, `tpkit advantages`: step rewards, turning points, aggregated and shaped rewards, advantages.
+
+Input: any table with `trajectory_id`, `prompt_id`, `branch` (k = 0..K) and `reward` (R_k),
+from `tpkit score` or elsewhere; row order does not matter. Output: one row per (trajectory,
+step k = 1..K), float64 throughout, computed by the pure functions of `tpkit.formulas`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tpkit import formulas, layout
+from tpkit.config import AdvantagesConfig, to_dict
+from tpkit.errors import InputError
+
+
+@dataclass
+class RewardMatrix:
+    """R_k per trajectory: R [N, K+1] (NaN where a branch was not scored), sorted by trajectory id."""
+
+    trajectory_ids: np.ndarray  # [N] str
+    prompt_ids: np.ndarray  # [N] str
+    R: np.ndarray  # [N, K+1] float64
+    complete: bool  # every branch 0..K present (False: only R_K, the Flow-GRPO baseline)
+
+    @property
+    def K(self) -> int:
+        return self.R.shape[1] - 1
+
+
+def reward_matrix(table, source: str, method: str) -> RewardMatrix:
+    """Validate a scores table and arrange it as R [N, K+1]."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    missing = [c for c in layout.SCORE_KEY_COLUMNS if c not in table.column_names]
+    if missing:
+        raise InputError(f"{source}: scores table lacks column(s) {', '.join(missing)}",
+                         "it needs trajectory_id, prompt_id, branch (k = 0..K) and reward (R_k); pass `tpkit score` output")
+    try:
+        tid = np.asarray(table["trajectory_id"].cast(pa.string()).to_pylist(), dtype=object)
+        pid = np.asarray(table["prompt_id"].cast(pa.string()).to_pylist(), dtype=object)
+        branch_col = table["branch"]
+        if not pa.types.is_integer(branch_col.type):
+            raise pa.ArrowInvalid(f"branch has type {branch_col.type}")
+        branch = np.asarray(branch_col.to_pylist(), dtype=np.int64)
+        reward = np.asarray(pc.cast(table["reward"], pa.float64()).to_pylist(), dtype=np.float64)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, TypeError, ValueError) as e:
+        raise InputError(f"{source}: mistyped column ({e})",
+                         "trajectory_id and prompt_id must be strings, branch an integer, reward a number") from None
+    if len(tid) == 0:
+        raise InputError(f"{source}: the scores table is empty", "score a rollout first (`tpkit score`)")
+    if any(x is None for x in tid) or any(x is None for x in pid):
+        raise InputError(f"{source}: null trajectory_id or prompt_id", "every row needs both ids")
+    bad = sorted(set(tid[~np.isfinite(reward)]))
+    if bad:
+        raise InputError(f"{source}: NaN or infinite reward for {len(bad)} trajectories: {', '.join(bad[:8])}",
+                         "fix the reward, or rescore; advantages cannot be computed from them")
+
+    ids, inv = np.unique(tid.astype(str), return_inverse=True)
+    if (branch < 0).any():
+        raise InputError(f"{source}: negative branch index", "branches are k = 0..K")
+    K = int(branch.max())
+    R = np.full((len(ids), K + 1), np.nan)
+    seen = np.zeros_like(R, dtype=bool)
+    counts = np.bincount(inv * (K + 1) + branch, minlength=R.size)
+    if counts.max() > 1:
+        dup = ids[int(np.argmax(counts)) // (K + 1)]
+        raise InputError(f"{source}: trajectory {dup} has a branch twice", "pass each (trajectory, branch) once")
+    R[inv, branch] = reward
+    seen[inv, branch] = True
+
+    prompt_of = np.empty(len(ids), dtype=object)
+    for i, p in zip(inv, pid):
+        if prompt_of[i] is not None and prompt_of[i] != p:
+            raise InputError(f"{source}: trajectory {ids[i]} has two prompt ids ({prompt_of[i]}, {p})",
+                             "a trajectory belongs to one prompt")
+        prompt_of[i] = p
+
+    full = seen.all(1)
+    final_only = seen[:, -1] & (seen.sum(1) == 1)
+    if full.all():
+        complete = True
+    elif method == "flow-grpo" and final_only.all():
+        complete = False
+    else:
+        bad_i = np.flatnonzero(~(full if method == "tp-grpo" else full | final_only))[0]
+        have = np.flatnonzero(seen[bad_i]).tolist()
+        raise InputError(
+            f"{source}: trajectory {ids[bad_i]} has branches {have}, expected 0..{K} (K = largest branch in the table)",
+            "score with --branches all (every trajectory needs the same K); flow-grpo also accepts only the final branch")
+    return RewardMatrix(ids, prompt_of.astype(str), R, complete)
+
+
+@dataclass
+class Advantages:
+    """Every per-(trajectory, step) quantity of DESIGN.md section 2, each [N, K]."""
+
+    d: np.ndarray
+    agg: np.ndarray
+    candidate: np.ndarray
+    tp: np.ndarray
+    shaped: np.ndarray
+    advantage: np.ndarray
+
+
+def compute(m: RewardMatrix, method: str, balance: str, std: str) -> Advantages:
+    N, K = m.R.shape[0], m.K
+    d, agg = formulas.step_rewards(m.R), formulas.aggregated_rewards(m.R)
+    candidate = formulas.turning_points(m.R) if m.complete else np.zeros((N, K), dtype=bool)
+    if method == "flow-grpo":
+        tp = np.zeros((N, K), dtype=bool)
+        shaped = np.repeat(m.R[:, -1:], K, axis=1)
+    else:
+        tp = candidate
+        if balance == "all":
+            steps = np.tile(np.arange(1, K + 1), N)
+            tp = formulas.balance_turning_points(candidate.ravel(), agg.ravel(), np.repeat(m.trajectory_ids, K),
+                                                 steps).reshape(N, K)
+        shaped = formulas.shaped_rewards(d, agg, tp)
+    advantage = formulas.group_advantages(shaped, m.prompt_ids, std=std)
+    return Advantages(d, agg, candidate, tp, shaped, advantage)
+
+
+def to_table(m: RewardMatrix, a: Advantages, method: str):
+    """One row per (trajectory, step k = 1..K), ordered by (prompt_id, trajectory_id, step)."""
+    import pyarrow as pa
+
+    N, K = m.R.shape[0], m.K
+    order = np.lexsort((m.trajectory_ids, m.prompt_ids))
+    rows = np.repeat(order, K)
+    steps = np.tile(np.arange(1, K + 1), N)
+
+    def f64(x: np.ndarray) -> pa.Array:  # null where a value is unknown (final-only scores)
+        vals = x[rows, steps - 1] if x.ndim == 2 else x
+        return pa.array(vals, type=pa.float64(), mask=np.isnan(vals))
+
+    cols = {
+        "trajectory_id": pa.array(m.trajectory_ids[rows], pa.string()),
+        "prompt_id": pa.array(m.prompt_ids[rows], pa.string()),
+        "step": pa.array(steps, pa.int32()),
+        "reward_before": f64(m.R[rows, steps - 1]),
+        "reward_after": f64(m.R[rows, steps]),
+        "final_reward": f64(m.R[rows, K]),
+        "step_reward": f64(a.d),
+        "aggregated_reward": f64(a.agg),
+        "turning_point_candidate": pa.array(a.candidate[rows, steps - 1]),
+        "turning_point": pa.array(a.tp[rows, steps - 1]),
+        "shaped_reward": f64(a.shaped),
+        "advantage": f64(a.advantage),
+        "method": pa.array([method] * len(rows), pa.string()),
+    }
+    assert tuple(cols) == layout.ADVANTAGE_COLUMNS
+    return pa.table(cols)
+
+
+def summary(m: RewardMatrix, a: Advantages) -> dict:
+    """Turning-point rate per step, positive vs negative, kept after balancing."""
+    per_step = []
+    for k in range(m.K):
+        cand = a.candidate[:, k]
+        per_step.append({
+            "step": k + 1, "candidates": int(cand.sum()), "rate": float(cand.mean()),
+            "positive": int((cand & (a.agg[:, k] > 0)).sum()), "negative": int((cand & (a.agg[:, k] < 0)).sum()),
+            "kept": int(a.tp[:, k].sum()),
+        })
+    return {
+        "trajectories": int(m.R.shape[0]), "prompts": int(len(np.unique(m.prompt_ids))), "K": m.K,
+        "rows": int(m.R.shape[0] * m.K), "complete_branches": m.complete,
+        "turning_points": int(a.candidate.sum()), "turning_points_kept": int(a.tp.sum()),
+        "turning_point_rate": float(a.candidate.mean()),
+        "final_reward_mean": float(m.R[:, -1].mean()), "final_reward_std": float(m.R[:, -1].std()),
+        "per_step": per_step,
+    }
+
+
+def run(cfg: AdvantagesConfig) -> dict:
+    # 1. Check options and read the scores (a folder of Parquet files or one file).
+    cfg.validate()
+    table = layout.read_parquet_tables(Path(cfg.scores), "score")
+
+    # 2. Arrange R_k per trajectory, refusing gaps, duplicates, NaN.
+    m = reward_matrix(table, str(cfg.scores), cfg.method)
+
+    # 3. Step rewards, turning points, balancing, shaped rewards, group-normalised advantages.
+    a = compute(m, cfg.method, cfg.balance, cfg.std)
+
+    # 4. Write the table, then the manifest (with the summary the CLI shows).
+    out = Path(cfg.out)
+    layout.write_parquet(out / layout.ADVANTAGES_FILE, to_table(m, a, cfg.method))
+    info = summary(m, a)
+    return layout.write_manifest(out, "advantages", to_dict(cfg), inputs={"scores": str(cfg.scores)},
+                                 counts={"rows": info["rows"], "trajectories": info["trajectories"]}, summary=info)

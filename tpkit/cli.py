@@ -1,0 +1,192 @@
+"""The `tpkit` command: a thin Typer layer over the stage libraries.
+
+Each command parses options, builds a config, calls `tpkit.<stage>.run(cfg)` and renders a Rich
+summary. Stage modules (and torch) are imported inside the commands so `tpkit --help` is fast.
+Errors: tpkit's own print in one or two lines (exit 2); anything else in one line (exit 1);
+`--debug` anywhere on the command line shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from tpkit.config import TINY_MODEL
+from tpkit.errors import TpkitError
+
+app = typer.Typer(
+    name="tpkit", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="TP-GRPO and Flow-GRPO for flow-matching text-to-image models, as a staged offline pipeline.\n\n"
+         "rollout -> score -> advantages -> train, or `tpkit run RECIPE.toml` for rounds of all four. "
+         "Add --debug anywhere for tracebacks.",
+)
+
+_RANK = typer.Option(None, help="This process's rank (default: $RANK or 0).")
+_WORLD = typer.Option(None, help="Number of processes (default: $WORLD_SIZE or 1).")
+_DEVICE = typer.Option("auto", help="cuda, cpu, cuda:1 ... (auto: cuda if available).")
+_DTYPE = typer.Option("auto", help="Model dtype: auto (bf16 on CUDA, float32 on CPU), float32, bf16, fp16.")
+
+
+@app.command()
+def rollout(
+    prompts: Path = typer.Option(..., "--prompts", help=".txt (one prompt a line) or .jsonl (objects with \"prompt\")."),
+    out: Path = typer.Option(..., "--out", help="Output folder for shards and manifest.json."),
+    model: str = typer.Option(TINY_MODEL, help="Hub id, local folder, or tiny-sd3 (built-in, nothing to download)."),
+    group_size: int = typer.Option(24, help="Trajectories per prompt (the GRPO group)."),
+    steps: int = typer.Option(10, help="Sampling steps T."),
+    guidance: float = typer.Option(4.5, help="Classifier-free guidance scale."),
+    resolution: Optional[int] = typer.Option(None, help="Image size in pixels (default 512; 64 for tiny-sd3)."),
+    sampler: str = typer.Option("cps", help="sde (Flow-GRPO) or cps (coefficients-preserving; the paper's)."),
+    noise_level: float = typer.Option(0.7, help="Noise level a of the stochastic sampler."),
+    window_size: int = typer.Option(9, help="K: number of consecutive stochastic steps."),
+    window_range: tuple[int, int] = typer.Option((0, 9), help="LO HI: the window start is drawn from [LO, HI - K]."),
+    seed: int = typer.Option(0, help="Base seed; each trajectory's seed derives from (seed, prompt, member)."),
+    lora: Optional[Path] = typer.Option(None, help="LoRA adapter folder from `tpkit train` (the current policy)."),
+    prompts_per_shard: int = typer.Option(4, help="Prompt groups per shard (groups never split)."),
+    batch_size: int = typer.Option(8, help="Trajectories per transformer batch (CFG doubles it)."),
+    max_sequence_length: int = typer.Option(256, help="T5 tokens per prompt."),
+    device: str = _DEVICE, dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
+) -> None:
+    """Sample SDE trajectories and cache their window states (WebDataset shards)."""
+    from tpkit import rollout as stage
+    from tpkit.config import RolloutConfig
+    from tpkit.show import manifest_summary
+
+    cfg = RolloutConfig(
+        model=model, prompts=str(prompts), out=str(out), group_size=group_size, steps=steps, guidance=guidance,
+        resolution=resolution, sampler=sampler, noise_level=noise_level, window_size=window_size,
+        window_range=window_range, seed=seed, lora=str(lora) if lora else None, prompts_per_shard=prompts_per_shard,
+        batch_size=batch_size, max_sequence_length=max_sequence_length, dtype=dtype, device=device, rank=rank,
+        world_size=world_size,
+    )
+    manifest = stage.run(cfg)
+    _finished(manifest, out, manifest_summary)
+
+
+@app.command()
+def score(
+    rollout_dir: Path = typer.Argument(..., metavar="ROLLOUT_DIR", help="Folder written by `tpkit rollout`."),
+    out: Path = typer.Option(..., "--out", help="Output folder for scores Parquet and manifest.json."),
+    reward: List[str] = typer.Option(["jpeg-compressibility"], help="NAME[=WEIGHT], repeatable; or module:function."),
+    branches: str = typer.Option("all", help="all: R_0..R_K (TP-GRPO); final: only R_K (Flow-GRPO)."),
+    batch_size: int = typer.Option(16, help="Branches per transformer batch (CFG doubles it)."),
+    decode_batch_size: int = typer.Option(8, help="Images per VAE decode and reward call."),
+    device: str = _DEVICE, dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
+) -> None:
+    """Reward of the ODE completion from every cached window state (Parquet)."""
+    from tpkit import score as stage
+    from tpkit.config import ScoreConfig, parse_reward_specs
+    from tpkit.show import manifest_summary, scores_view
+
+    cfg = ScoreConfig(rollout=str(rollout_dir), out=str(out), rewards=parse_reward_specs(reward), branches=branches,
+                      batch_size=batch_size, decode_batch_size=decode_batch_size, device=device, dtype=dtype,
+                      rank=rank, world_size=world_size)
+    manifest = stage.run(cfg)
+
+    def show(m: dict) -> None:
+        from tpkit.layout import read_parquet_tables
+
+        scores_view(read_parquet_tables(out, "score"))
+        manifest_summary(m)
+
+    _finished(manifest, out, show)
+
+
+@app.command()
+def advantages(
+    scores: Path = typer.Argument(..., metavar="SCORES", help="Folder of scores Parquet files, or one file."),
+    out: Path = typer.Option(..., "--out", help="Output folder for advantages.parquet and manifest.json."),
+    method: str = typer.Option("tp-grpo", help="tp-grpo (turning points) or flow-grpo (r_k = R_K)."),
+    balance: str = typer.Option("all", help="all: balance positive/negative turning points; none: keep all."),
+    std: str = typer.Option("group", help="group: per-prompt std; global: std over all trajectories per step."),
+) -> None:
+    """Step rewards, turning points and advantages (Parquet)."""
+    from tpkit import advantages as stage
+    from tpkit.config import AdvantagesConfig
+    from tpkit.show import advantages_view
+
+    manifest = stage.run(AdvantagesConfig(scores=str(scores), out=str(out), method=method, balance=balance, std=std))
+    advantages_view(manifest["summary"])
+    _done(out)
+
+
+@app.command()
+def inspect(path: Path = typer.Argument(..., help="A stage folder, a .tar shard or a .parquet file.")) -> None:
+    """Readable summary of a stage folder, a shard or a Parquet file."""
+    from tpkit.show import inspect as show_inspect
+
+    show_inspect(path)
+
+
+@app.command()
+def rewards() -> None:
+    """List the built-in rewards and what each needs."""
+    from rich.table import Table
+
+    from tpkit.rewards import BUILTIN
+    from tpkit.ui import console
+
+    t = Table(title="built-in rewards (or module:function for your own)", title_justify="left")
+    t.add_column("name", style="bold")
+    t.add_column("needs")
+    for name, (_, needs) in BUILTIN.items():
+        t.add_row(name, needs)
+    console.print(t)
+
+
+def _finished(manifest: dict | None, out: Path, show) -> None:
+    from tpkit.ui import console
+
+    if manifest is None:
+        console.print(f"[yellow]this rank's part is done[/]; {out} gets its manifest when every rank has finished")
+        return
+    show(manifest)
+    _done(out)
+
+
+def _done(out: Path) -> None:
+    from tpkit.ui import console
+
+    console.print(f"[green]done[/]: {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    import click
+
+    try:
+        app(args=argv, prog_name="tpkit", standalone_mode=False)
+    except TpkitError as e:
+        if debug:
+            raise
+        _error(str(e))
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        _error("interrupted; rerun the same command to finish (finished files are kept)")
+        sys.exit(130)
+    except Exception as e:
+        if debug:
+            raise
+        _error(f"{type(e).__name__}: {e}".splitlines()[0][:300] + "\n  (rerun with --debug for the traceback)")
+        sys.exit(1)
+
+
+def _error(text: str) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(text)}", highlight=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Every formula of TP-GRPO and Flow-GRPO, as small pure functions (DESIGN.md section 2).
+
+No I/O, no config objects, no models. Sampler functions take torch tensors and compute in
+float32 whatever dtype comes in; reward/advantage functions take numpy arrays and compute in
+float64. Shapes use: B batch, C/h/w latent channels and size, N trajectories, K window steps.
+
+Paper symbols: sigma_j is the noise level entering step j (sigma_0 = 1 > ... > sigma_T = 0),
+v the CFG velocity at (x, sigma_j), dt = sigma_{j+1} - sigma_j < 0, a the noise level of the
+stochastic sampler, R_k the reward of the ODE completion from window state s_k.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+# --------------------------------------------------------------------------------------------
+# Sampler steps (float32)
+# --------------------------------------------------------------------------------------------
+
+
+class Step(NamedTuple):
+    """One stochastic transition x -> x'.
+
+    sample: x' [B, C, h, w]; mean: mu [B, C, h, w]; std: the standard deviation of x' around mu
+    ([B, 1, 1, 1], what the KL term divides by); log_prob: [B], averaged over non-batch elements.
+    """
+
+    sample: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    log_prob: torch.Tensor
+
+
+def _per_sample(t: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
+    """A scalar or [B] tensor as float32 [B, 1, 1, 1] that broadcasts against `like` [B, ...]."""
+    t = torch.as_tensor(t, dtype=torch.float32, device=like.device)
+    if t.ndim == 0:
+        t = t.expand(like.shape[0])
+    return t.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def _mean_over_elements(t: torch.Tensor) -> torch.Tensor:
+    """[B, ...] -> [B]: the average over every non-batch element."""
+    return t.mean(dim=tuple(range(1, t.ndim)))
+
+
+def ode_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
+    """Euler step of the flow ODE: x' = x + v * (sigma_{j+1} - sigma_j).
+
+    x, v: [B, C, h, w]; sigma, sigma_next: scalars or [B] (per-sample schedules). Returns float32.
+    """
+    x, v = x.float(), v.float()
+    return x + v * (_per_sample(sigma_next, x) - _per_sample(sigma, x))
+
+
+def flow_sde_mean_std(x, v, sigma, sigma_next, noise_level: float, sigma_1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flow-GRPO SDE transition: mean mu and std s*sqrt(-dt) of x'.
+
+    s = a * sqrt(sigma / (1 - sigma)), where sigma = 1 is replaced by sigma_1 inside (1 - sigma)
+    (otherwise s is infinite at the first step);
+    mu = x (1 + s^2 / (2 sigma) dt) + v (1 + s^2 (1 - sigma) / (2 sigma)) dt.
+    """
+    x, v = x.float(), v.float()
+    sig, sig_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
+    dt = sig_next - sig
+    denom_sigma = torch.where(sig == 1.0, _per_sample(sigma_1, x), sig)
+    s = noise_level * torch.sqrt(sig / (1.0 - denom_sigma))
+    mean = x * (1.0 + s**2 / (2.0 * sig) * dt) + v * (1.0 + s**2 * (1.0 - sig) / (2.0 * sig)) * dt
+    return mean, s * torch.sqrt(-dt)
+
+
+def flow_sde_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Gaussian log-density of x' under N(mu, std^2), averaged over non-batch elements [B].
+
+    Constants included: -(x' - mu)^2 / (2 std^2) - log std - log sqrt(2 pi).
+    """
+    sample, mean = sample.float(), mean.float()
+    lp = -((sample - mean) ** 2) / (2.0 * std**2) - torch.log(std) - 0.5 * math.log(2.0 * math.pi)
+    return _mean_over_elements(lp)
+
+
+def cps_mean_std(x, v, sigma, sigma_next, noise_level: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coefficients-preserving sampling: mean mu and std s of x'.
+
+    s = sigma_{j+1} sin(a pi / 2); x0_hat = x - sigma v; x1_hat = x + (1 - sigma) v;
+    mu = x0_hat (1 - sigma_{j+1}) + x1_hat sqrt(sigma_{j+1}^2 - s^2).
+    """
+    x, v = x.float(), v.float()
+    sig, sig_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
+    s = sig_next * math.sin(noise_level * math.pi / 2.0)
+    x0_hat = x - sig * v
+    x1_hat = x + (1.0 - sig) * v
+    # clamp: sigma_{j+1}^2 - s^2 can round to a tiny negative number when a = 1.
+    mean = x0_hat * (1.0 - sig_next) + x1_hat * torch.sqrt((sig_next**2 - s**2).clamp_min(0.0))
+    return mean, s
+
+
+def cps_log_prob(sample: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """CPS log-prob as the reference computes it: -mean((x' - mu)^2) over non-batch elements [B].
+
+    Constants and the variance are dropped on purpose, so that the published clip range (1e-5)
+    means the same thing here as in the authors' runs.
+    """
+    return _mean_over_elements(-((sample.float() - mean.float()) ** 2))
+
+
+def stochastic_step(
+    sampler: str, x, v, sigma, sigma_next, noise_level: float, sigma_1, noise: torch.Tensor | None = None,
+    sample: torch.Tensor | None = None,
+) -> Step:
+    """One SDE ("sde") or CPS ("cps") step with its log-prob.
+
+    Give `noise` (eps ~ N(0, I), [B, C, h, w]) to draw x' = mu + std * eps, or `sample` to score an
+    existing transition x -> x' (training recomputes l_new this way). Exactly one of the two.
+    """
+    if (noise is None) == (sample is None):
+        raise ValueError("give exactly one of noise= or sample=")
+    if sampler == "sde":
+        mean, std = flow_sde_mean_std(x, v, sigma, sigma_next, noise_level, sigma_1)
+    elif sampler == "cps":
+        mean, std = cps_mean_std(x, v, sigma, sigma_next, noise_level)
+    else:
+        raise ValueError(f"unknown sampler {sampler!r}")
+    std = std.expand(mean.shape[0], *([1] * (mean.ndim - 1)))
+    if sample is None:
+        sample = mean + std * noise.float()
+    # log-prob of x' is computed on a detached sample: gradients flow through mu only.
+    sample = sample.detach().float()
+    log_prob = flow_sde_log_prob(sample, mean, std) if sampler == "sde" else cps_log_prob(sample, mean)
+    return Step(sample, mean, std, log_prob)
+
+
+def window_start(lo: int, hi: int, window_size: int, u: float) -> int:
+    """First SDE step a, uniform on the integers of [lo, hi - K] given u ~ U[0, 1).
+
+    Steps [a, a + K) are stochastic, all others ODE. Paper (T = 10, K = 9, range (0, 9)): a = 0.
+    """
+    n = hi - window_size - lo + 1
+    if n < 1:
+        raise ValueError(f"window range ({lo}, {hi}) cannot hold a window of {window_size} steps")
+    return lo + min(int(u * n), n - 1)
+
+
+def branch_calls(steps: int, start: int, window_size: int) -> int:
+    """Transformer calls to complete branches k = 0..K-1 by ODE, reusing the rollout's v(s_k).
+
+    Branch k runs from step a + k to T: T - a - k calls, the first of which the rollout already
+    made. sum_{k=0}^{K-1} (T - a - k - 1); T = 10, a = 0, K = 9 gives 45.
+    """
+    return sum(steps - start - k - 1 for k in range(window_size))
+
+
+# --------------------------------------------------------------------------------------------
+# Rewards along a trajectory and advantages (float64, numpy)
+# --------------------------------------------------------------------------------------------
+
+
+def step_rewards(R: np.ndarray) -> np.ndarray:
+    """d_k = R_k - R_{k-1}, k = 1..K.  R: [N, K+1] -> [N, K]."""
+    R = np.asarray(R, dtype=np.float64)
+    return R[:, 1:] - R[:, :-1]
+
+
+def aggregated_rewards(R: np.ndarray) -> np.ndarray:
+    """agg_k = R_K - R_{k-1}, k = 1..K: the reward of everything from step k to the end. [N, K+1] -> [N, K]."""
+    R = np.asarray(R, dtype=np.float64)
+    return R[:, -1:] - R[:, :-1]
+
+
+def turning_points(R: np.ndarray) -> np.ndarray:
+    """Turning points by sign tests (sign(0) = 0 fails every test). R: [N, K+1] -> bool [N, K].
+
+    Global trend Delta = R_K - R_0; step k (1-based) with d_k = R_k - R_{k-1}:
+      k = 1:  sign(d_1) sign(R_K - R_1) > 0
+      k >= 2: sign(d_{k-1}) sign(Delta) < 0  and  sign(d_k) sign(Delta) > 0  and  sign(d_k) sign(R_K - R_k) > 0
+    The last step is never one (R_K - R_K = 0).
+    """
+    R = np.asarray(R, dtype=np.float64)
+    sd = np.sign(step_rewards(R))  # [N, K]
+    s_rest = np.sign(R[:, -1:] - R[:, 1:])  # sign(R_K - R_k), k = 1..K
+    s_trend = np.sign(R[:, -1:] - R[:, :1])  # sign(Delta), [N, 1]
+    tp = np.zeros(sd.shape, dtype=bool)
+    tp[:, 0] = sd[:, 0] * s_rest[:, 0] > 0
+    tp[:, 1:] = (sd[:, :-1] * s_trend < 0) & (sd[:, 1:] * s_trend > 0) & (sd[:, 1:] * s_rest[:, 1:] > 0)
+    return tp
+
+
+def balance_turning_points(
+    tp: np.ndarray, agg: np.ndarray, trajectory_ids: np.ndarray, steps: np.ndarray
+) -> np.ndarray:
+    """Keep min(#pos, #neg) turning points of each sign of agg, the largest |agg| first.
+
+    All arguments are flat [M] arrays over (trajectory, step) pairs. Ties in |agg| are broken by
+    (trajectory_id, step) ascending. If only one sign occurs, every turning point is kept.
+    Returns the kept mask [M]; dropped turning points fall back to normal steps.
+    """
+    tp, agg = np.asarray(tp, dtype=bool), np.asarray(agg, dtype=np.float64)
+    pos, neg = np.flatnonzero(tp & (agg > 0)), np.flatnonzero(tp & (agg < 0))
+    if len(pos) == 0 or len(neg) == 0:
+        return tp.copy()
+    n = min(len(pos), len(neg))
+    kept = np.zeros_like(tp)
+    for idx in (pos, neg):
+        # lexsort sorts by the last key first: -|agg|, then trajectory_id, then step.
+        order = np.lexsort((np.asarray(steps)[idx], np.asarray(trajectory_ids)[idx], -np.abs(agg[idx])))
+        kept[idx[order[:n]]] = True
+    return kept
+
+
+def shaped_rewards(d: np.ndarray, agg: np.ndarray, tp: np.ndarray) -> np.ndarray:
+    """r_k = agg_k at a (kept) turning point, else d_k. Any matching shapes."""
+    return np.where(np.asarray(tp, dtype=bool), agg, d).astype(np.float64)
+
+
+def group_advantages(
+    r: np.ndarray, groups: np.ndarray, std: str = "group", eps: float = 1e-4
+) -> np.ndarray:
+    """A = (r - mean_group) / (std + eps), per step over each prompt's group.
+
+    r: [N, K] shaped rewards; groups: [N] prompt ids. std "group" uses the group's population std
+    (ddof 0), "global" the std over all N trajectories at that step (upstream Flow-GRPO's default).
+    A group of one, or with identical rewards, gets advantage 0.
+    """
+    r = np.asarray(r, dtype=np.float64)
+    groups = np.asarray(groups)
+    out = np.zeros_like(r)
+    global_std = r.std(axis=0, keepdims=True)
+    for g in np.unique(groups):
+        rows = groups == g
+        rg = r[rows]
+        s = rg.std(axis=0, keepdims=True) if std == "group" else global_std
+        out[rows] = (rg - rg.mean(axis=0, keepdims=True)) / (s + eps)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# GRPO loss (torch)
+# --------------------------------------------------------------------------------------------
+
+
+def clipped_policy_loss(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float,
+    adv_clip: float = 5.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO-clip objective of GRPO, per sample.
+
+    ratio = exp(l_new - l_old); A clamped to [-adv_clip, adv_clip];
+    loss = max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps)). All [B]; returns (loss [B], ratio [B]).
+    """
+    adv = advantages.float().clamp(-adv_clip, adv_clip)
+    ratio = torch.exp(log_prob.float() - old_log_prob.float())
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return torch.maximum(unclipped, clipped), ratio
+
+
+def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL between the policy's and the reference's Gaussian transitions of equal std, per sample [B].
+
+    KL = mean((mu_theta - mu_ref)^2) / (2 std^2), std = the transition's std ([B, 1, 1, 1]).
+    """
+    return _mean_over_elements((mean.float() - ref_mean.float()) ** 2) / (2.0 * std.reshape(-1).float() ** 2)

@@ -1,0 +1,369 @@
+"""The run-folder contract between stages (DESIGN.md section 3), declared once.
+
+File names, shard members, Parquet schemas and manifests live here; stages read and write
+their files only through these functions. Every file is written under a temporary name and
+renamed into place, and a stage's manifest.json is written last: a folder without one is
+incomplete. Nothing here unpickles or executes what it reads.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tarfile
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from tpkit import __version__
+from tpkit.errors import InputError
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+ADVANTAGES_FILE = "advantages.parquet"
+METRICS_FILE = "metrics.jsonl"
+ROUNDS_FILE = "rounds.jsonl"
+
+# Shard members: prompt samples carry PROMPT_JSON + EMBEDS, trajectory samples TRAJ_JSON + TENSORS + FINAL_PNG.
+PROMPT_JSON, EMBEDS = "prompt.json", "embeds.safetensors"
+TRAJ_JSON, TENSORS, FINAL_PNG = "meta.json", "latents.safetensors", "final.png"
+EMBED_KEYS = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
+TENSOR_KEYS = ("states", "velocities", "log_probs", "final_latent")
+
+# Columns every scores table must have (anything else is carried along); advantages output columns.
+SCORE_KEY_COLUMNS = ("trajectory_id", "prompt_id", "branch", "reward")
+ADVANTAGE_COLUMNS = (
+    "trajectory_id", "prompt_id", "step", "reward_before", "reward_after", "final_reward",
+    "step_reward", "aggregated_reward", "turning_point_candidate", "turning_point", "shaped_reward",
+    "advantage", "method",
+)
+
+_SAFE_KEY = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+# --------------------------------------------------------------------------------------------
+# Names
+# --------------------------------------------------------------------------------------------
+
+
+def shard_name(rank: int, index: int) -> str:
+    return f"shard-r{rank:03d}-{index:05d}.tar"
+
+
+def shard_index(path: Path) -> int:
+    """The global shard index in a shard or scores file name (the part after the rank)."""
+    m = re.search(r"-r\d{3}-(\d{5})\.", Path(path).name)
+    if not m:
+        raise InputError(f"{path}: not a tpkit shard or scores file name", "do not rename files in a run folder")
+    return int(m.group(1))
+
+
+def scores_name(shard: Path) -> str:
+    """Scores of shard-rRRR-IIIII.tar go to scores-rRRR-IIIII.parquet."""
+    return Path(shard).name.replace("shard-", "scores-").replace(".tar", ".parquet")
+
+
+def list_shards(folder: Path) -> list[Path]:
+    return sorted(Path(folder).glob("shard-r*-*.tar"), key=shard_index)
+
+
+def stats_name(output: Path) -> str:
+    """Sidecar with an output file's counts and timings (kept apart so the output's bytes are deterministic)."""
+    return Path(output).name.rsplit(".", 1)[0] + ".stats.json"
+
+
+def round_dir(run_dir: Path, round_index: int) -> Path:
+    return Path(run_dir) / f"round-{round_index:04d}"
+
+
+# --------------------------------------------------------------------------------------------
+# Atomic writes and manifests
+# --------------------------------------------------------------------------------------------
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write bytes to a temporary file in the same folder, fsync, then rename into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def write_manifest(folder: Path, stage: str, config: dict, inputs: dict, counts: dict, **extra: Any) -> dict:
+    """The last file a stage writes: resolved config, inputs, counts, schema and tpkit versions."""
+    manifest = {
+        "stage": stage, "schema_version": SCHEMA_VERSION, "tpkit_version": __version__,
+        "config": config, "inputs": inputs, "counts": counts, **extra,
+    }
+    atomic_write_json(Path(folder) / MANIFEST, manifest)
+    return manifest
+
+
+def read_manifest(folder: Path, stage: str) -> dict:
+    """The manifest of a finished stage folder, checked for stage and schema version."""
+    path = Path(folder) / MANIFEST
+    if not Path(folder).is_dir():
+        raise InputError(f"{folder}: no such folder", f"run `tpkit {stage}` first or check the path")
+    if not path.is_file():
+        raise InputError(f"{folder}: no {MANIFEST}, so the {stage} stage there did not finish",
+                         f"rerun `tpkit {stage}` with the same options to complete it")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e})", f"rerun `tpkit {stage}` to rewrite it") from None
+    if manifest.get("stage") != stage:
+        raise InputError(f"{folder}: holds a {manifest.get('stage')!r} stage, expected {stage!r}",
+                         "pass the folder written by the right stage")
+    check_schema_version(manifest.get("schema_version"), path)
+    return manifest
+
+
+def check_schema_version(version: Any, where: Path | str) -> None:
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise InputError(f"{where}: schema version {version!r}, this tpkit reads up to {SCHEMA_VERSION}",
+                         "upgrade tpkit (pip install -U tpkit) to read files from a newer version")
+
+
+def sum_stats(outputs: list[Path]) -> dict:
+    """Add up the numeric fields of the outputs' stats sidecars (counts and seconds per phase)."""
+    total: dict = {}
+    for out in outputs:
+        side = Path(out).with_name(stats_name(out))
+        stats = json.loads(side.read_text()) if side.is_file() else {}
+        for group, values in stats.items():
+            for k, v in values.items():
+                total.setdefault(group, {})
+                total[group][k] = round(total[group].get(k, 0) + v, 3)
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# Shards (WebDataset tar format: members KEY.EXT grouped by KEY)
+# --------------------------------------------------------------------------------------------
+
+
+def _tensors_to_bytes(tensors: dict) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+
+
+def _tensors_from_bytes(data: bytes, where: str) -> dict:
+    from safetensors.torch import load
+
+    try:
+        return load(data)
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise InputError(f"{where}: corrupt safetensors member ({e})", "rerun the stage that wrote this shard") from None
+
+
+@dataclass
+class PromptRecord:
+    prompt_id: str
+    prompt: str
+    metadata: dict
+    embeds: dict = field(repr=False)  # EMBED_KEYS -> tensors (batch dim 1), in the transformer's dtype
+
+
+@dataclass
+class TrajectoryRecord:
+    meta: dict  # see rollout.trajectory_meta
+    tensors: dict = field(repr=False)  # TENSOR_KEYS -> float32 tensors
+    final_png: bytes = field(repr=False)
+
+    @property
+    def trajectory_id(self) -> str:
+        return self.meta["trajectory_id"]
+
+
+class ShardWriter:
+    """Writes one shard as a deterministic tar (fixed mtimes and owners: same inputs, same bytes)."""
+
+    def __init__(self) -> None:
+        self._buf = io.BytesIO()
+        self._tar = tarfile.open(fileobj=self._buf, mode="w", format=tarfile.USTAR_FORMAT)
+
+    def _add(self, key: str, ext: str, data: bytes) -> None:
+        if not _SAFE_KEY.match(key):
+            raise ValueError(f"unsafe shard key {key!r}")
+        info = tarfile.TarInfo(f"{key}.{ext}")
+        info.size, info.mtime, info.mode = len(data), 0, 0o644
+        self._tar.addfile(info, io.BytesIO(data))
+
+    def add_prompt(self, rec: PromptRecord) -> None:
+        body = {"prompt_id": rec.prompt_id, "prompt": rec.prompt, "metadata": rec.metadata,
+                "schema_version": SCHEMA_VERSION}
+        self._add(rec.prompt_id, PROMPT_JSON, json.dumps(body, sort_keys=True).encode())
+        self._add(rec.prompt_id, EMBEDS, _tensors_to_bytes(rec.embeds))
+
+    def add_trajectory(self, rec: TrajectoryRecord) -> None:
+        key = rec.trajectory_id
+        self._add(key, TRAJ_JSON, json.dumps(rec.meta, sort_keys=True).encode())
+        self._add(key, TENSORS, _tensors_to_bytes(rec.tensors))
+        self._add(key, FINAL_PNG, rec.final_png)
+
+    def write(self, path: Path) -> None:
+        self._tar.close()
+        atomic_write(path, self._buf.getvalue())
+
+
+def _members(path: Path) -> Iterator[tuple[str, str, bytes]]:
+    """(key, extension, bytes) for each regular member; names are never used as paths."""
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            for m in tar:
+                if not m.isfile():
+                    continue
+                name = m.name
+                key, _, ext = name.partition(".")
+                f = tar.extractfile(m)
+                yield key, ext, f.read() if f else b""
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise InputError(f"{path}: truncated or corrupt shard ({e})",
+                         "delete it and rerun `tpkit rollout` with the same options to rewrite it") from None
+
+
+def read_shard(path: Path, load_tensors: bool = True) -> tuple[dict[str, PromptRecord], list[TrajectoryRecord]]:
+    """Prompts (by prompt_id) and trajectories of one shard, validated against the schema."""
+    path = Path(path)
+    groups: dict[str, dict[str, bytes]] = {}
+    for key, ext, data in _members(path):
+        groups.setdefault(key, {})[ext] = data
+    prompts: dict[str, PromptRecord] = {}
+    trajectories: list[TrajectoryRecord] = []
+    for key, g in groups.items():
+        where = f"{path}:{key}"
+        if PROMPT_JSON in g:
+            body = _json(g[PROMPT_JSON], where)
+            check_schema_version(body.get("schema_version"), where)
+            if EMBEDS not in g:
+                raise InputError(f"{where}: prompt sample without {EMBEDS}", "rerun `tpkit rollout` to rewrite the shard")
+            embeds = _tensors_from_bytes(g[EMBEDS], where) if load_tensors else {}
+            prompts[body["prompt_id"]] = PromptRecord(body["prompt_id"], body["prompt"], body.get("metadata", {}), embeds)
+        elif TRAJ_JSON in g:
+            meta = _json(g[TRAJ_JSON], where)
+            check_schema_version(meta.get("schema_version"), where)
+            missing = [m for m in (TENSORS, FINAL_PNG) if m not in g]
+            if missing:
+                raise InputError(f"{where}: trajectory sample without {', '.join(missing)}",
+                                 "rerun `tpkit rollout` to rewrite the shard")
+            tensors = _tensors_from_bytes(g[TENSORS], where) if load_tensors else {}
+            trajectories.append(TrajectoryRecord(meta, tensors, g[FINAL_PNG]))
+    for t in trajectories:
+        if t.meta["prompt_id"] not in prompts:
+            raise InputError(f"{path}: trajectory {t.trajectory_id} has no prompt sample", "rerun `tpkit rollout`")
+    return prompts, trajectories
+
+
+def _json(data: bytes, where: str) -> dict:
+    try:
+        obj = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{where}: member is not valid JSON ({e})", "rerun the stage that wrote it") from None
+    if not isinstance(obj, dict):
+        raise InputError(f"{where}: JSON member is not an object", "rerun the stage that wrote it")
+    return obj
+
+
+# --------------------------------------------------------------------------------------------
+# Parquet
+# --------------------------------------------------------------------------------------------
+
+
+def write_parquet(path: Path, table) -> None:
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    atomic_write(path, buf.getvalue())
+
+
+def read_parquet_tables(path: Path, what: str) -> "Any":
+    """One Parquet file, or every *.parquet in a folder, concatenated into one pyarrow Table."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.parquet"))
+        if not files:
+            raise InputError(f"{path}: no .parquet files", f"pass the folder written by `tpkit {what}` or one .parquet file")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise InputError(f"{path}: no such file or folder", "check the path")
+    tables = []
+    for f in files:
+        try:
+            tables.append(pq.read_table(f))
+        except (pa.ArrowInvalid, OSError) as e:
+            raise InputError(f"{f}: not a readable Parquet file ({e})", f"rerun `tpkit {what}` to rewrite it") from None
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise InputError(f"{path}: Parquet files with incompatible columns ({e})", "pass files from one stage run") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt files
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    prompt_id: str
+    prompt: str
+    metadata: dict  # the whole JSONL object (or {"prompt": text} for .txt), passed to rewards
+
+
+def load_prompts(path: Path) -> list[Prompt]:
+    """A .txt file (one prompt a line, blank lines skipped) or .jsonl (objects with "prompt").
+
+    prompt_id is the object's "prompt_id" or "id" if given, else p + the prompt's index.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"prompts file {path} does not exist", "pass --prompts FILE (.txt, one prompt a line, or .jsonl)")
+    if path.suffix not in (".txt", ".jsonl"):
+        raise InputError(f"prompts file {path} is neither .txt nor .jsonl", "use a .txt (one prompt a line) or .jsonl file")
+    try:
+        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    except UnicodeDecodeError:
+        raise InputError(f"prompts file {path} is not UTF-8 text", "save it as UTF-8") from None
+    prompts = []
+    for i, line in enumerate(lines):
+        if path.suffix == ".txt":
+            obj = {"prompt": line.strip()}
+        else:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}: line {i + 1} is not JSON ({e.msg})", "write one JSON object per line") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+                raise InputError(f"{path}: line {i + 1} has no \"prompt\" string", 'each line needs {"prompt": "...", ...}')
+        pid = str(obj.get("prompt_id", obj.get("id", f"p{i:05d}")))
+        if not _SAFE_KEY.match(pid):
+            raise InputError(f"{path}: line {i + 1}: prompt id {pid!r} may only use letters, digits, _ and -", "rename the id")
+        prompts.append(Prompt(pid, obj["prompt"], obj))
+    if not prompts:
+        raise InputError(f"prompts file {path} is empty", "add prompts, one per line (.txt) or one JSON object per line (.jsonl)")
+    dup = [pid for pid, n in Counter(p.prompt_id for p in prompts).items() if n > 1]
+    if dup:
+        raise InputError(f"{path}: duplicate prompt ids {', '.join(sorted(dup)[:5])}", "give every prompt a unique id")
+    return prompts

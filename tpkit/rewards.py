@@ -1,0 +1,116 @@
+"""Rewards: plain callables `(images, prompts, metadata) -> list[float]`.
+
+`images` are PIL RGB images, `prompts` strings, `metadata` the prompt-file objects (dicts) they
+came from. Built-ins are a dict of factories `options -> callable`; anything else named as
+`module:function` is imported and called as is (the only user code a recipe can run).
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tpkit.errors import RewardError
+
+RewardFn = Callable[[list, list, list], list]
+
+
+def _jpeg_kb(image) -> float:
+    """Size in kB of the image saved as JPEG at quality 95 (DDPO's compressibility measure)."""
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=95)
+    return buf.tell() / 1000.0
+
+
+def jpeg_compressibility(options: dict) -> RewardFn:
+    def score(images, prompts, metadata):
+        return [-_jpeg_kb(im) for im in images]
+
+    return score
+
+
+def jpeg_incompressibility(options: dict) -> RewardFn:
+    def score(images, prompts, metadata):
+        return [_jpeg_kb(im) for im in images]
+
+    return score
+
+
+# name -> (factory, what it needs)
+BUILTIN: dict[str, tuple[Callable[[dict], RewardFn], str]] = {
+    "jpeg-compressibility": (jpeg_compressibility, "nothing: minus the JPEG size in kB (quality 95), as in DDPO"),
+    "jpeg-incompressibility": (jpeg_incompressibility, "nothing: the JPEG size in kB (quality 95), as in DDPO"),
+}
+
+
+@dataclass
+class Reward:
+    name: str
+    weight: float
+    fn: RewardFn
+
+    @property
+    def column(self) -> str:
+        return component_column(self.name)
+
+
+def component_column(name: str) -> str:
+    """The scores column of one reward component: 'jpeg-compressibility' -> 'reward_jpeg_compressibility'."""
+    return "reward_" + re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_").lower()
+
+
+def _import_callable(spec: str) -> RewardFn:
+    module, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise RewardError(f"cannot import reward {spec!r} ({e})",
+                          "check that the module is importable (on PYTHONPATH) and defines that function") from None
+    if not callable(fn):
+        raise RewardError(f"reward {spec!r} is not callable", "point --reward at a function (images, prompts, metadata) -> list[float]")
+    return fn
+
+
+def load_rewards(weights: dict[str, float], options: dict[str, dict[str, Any]] | None = None) -> list[Reward]:
+    """Build every reward up front, so a missing model fails at start-up, not halfway through."""
+    options = options or {}
+    unknown = set(options) - set(weights)
+    if unknown:
+        raise RewardError(f"options given for reward(s) not in use: {', '.join(sorted(unknown))}",
+                          "add the reward with --reward NAME or drop its options")
+    out = []
+    for name, weight in weights.items():
+        if not math.isfinite(weight):
+            raise RewardError(f"reward {name!r} has weight {weight}", "use a finite weight, e.g. --reward NAME=1")
+        if name in BUILTIN:
+            fn = BUILTIN[name][0](options.get(name, {}))
+        elif ":" in name:
+            fn = _import_callable(name)
+        else:
+            raise RewardError(f"unknown reward {name!r}",
+                              f"use one of {', '.join(BUILTIN)} (see `tpkit rewards`) or module:function for your own")
+        out.append(Reward(name, weight, fn))
+    return out
+
+
+def score_images(rewards: list[Reward], images: list, prompts: list[str], metadata: list[dict]) -> dict[str, list[float]]:
+    """Each component's scores (by column name) plus their weighted sum under 'reward'."""
+    cols: dict[str, list[float]] = {}
+    for r in rewards:
+        try:
+            values = [float(x) for x in r.fn(images, prompts, metadata)]
+        except RewardError:
+            raise
+        except Exception as e:
+            raise RewardError(f"reward {r.name!r} failed: {type(e).__name__}: {e}",
+                              "fix the reward (rerun with --debug for the traceback)") from e
+        if len(values) != len(images):
+            raise RewardError(f"reward {r.name!r} returned {len(values)} values for {len(images)} images",
+                              "a reward must return one float per image")
+        cols[r.column] = values
+    cols["reward"] = [sum(r.weight * cols[r.column][i] for r in rewards) for i in range(len(images))]
+    return cols

@@ -1,0 +1,177 @@
+"""Stage 1, `tpkit rollout`: SDE trajectories with cached window states, as WebDataset shards.
+
+For every prompt, `group_size` members are sampled with T steps, of which the K steps of the
+window [a, a + K) are stochastic (SDE or CPS) and the rest ODE. Stored per trajectory: the
+window states s_0..s_K, the K log-probs, the CFG velocity at s_0..s_{K-1} (so score can skip
+those calls), the final latent and its decoded image, and every setting needed to reproduce it.
+Prompt embeddings are stored once per prompt, so score and train never load text encoders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tpkit import formulas, layout
+from tpkit.config import RolloutConfig, to_dict
+from tpkit.layout import EMBED_KEYS, Prompt, PromptRecord, ShardWriter, TrajectoryRecord
+
+
+def derive_seed(*parts) -> int:
+    """A 63-bit seed from any parts (base seed, prompt id, member ...), stable across machines."""
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def plan_shards(prompts: list[Prompt], per_shard: int) -> list[list[Prompt]]:
+    """Shard i holds prompts [i * per_shard, (i + 1) * per_shard): groups never split."""
+    return [prompts[i: i + per_shard] for i in range(0, len(prompts), per_shard)]
+
+
+def draw_window_start(cfg: RolloutConfig) -> int:
+    """One window start a for the whole rollout (one batch), drawn from the base seed."""
+    u = derive_seed(cfg.seed, "window") / 2**63
+    return formulas.window_start(cfg.window_range[0], cfg.window_range[1], cfg.window_size, u)
+
+
+@dataclass
+class Sampled:
+    states: torch.Tensor  # [B, K+1, C, h, w]  s_0..s_K
+    velocities: torch.Tensor  # [B, K, C, h, w]  v(s_0)..v(s_{K-1})
+    log_probs: torch.Tensor  # [B, K]
+    final: torch.Tensor  # [B, C, h, w]  x_T
+
+
+def sample(model, cfg: RolloutConfig, sigmas: list[float], start: int, embeds: dict, seeds: list[int]) -> Sampled:
+    """Sample B trajectories; each draws its initial noise and every eps from its own seed."""
+    shape = model.latent_shape(cfg.resolution)
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+
+    def noise() -> torch.Tensor:  # drawn on CPU: the same numbers on every device
+        return torch.stack([torch.randn(shape, generator=g) for g in gens]).to(model.device)
+
+    x = noise()
+    B, K = len(seeds), cfg.window_size
+    states, vels, lps = [], [], []
+    with torch.no_grad():
+        for j in range(cfg.steps):
+            sig = torch.full((B,), sigmas[j])
+            v = model.velocity(x, sig, embeds, cfg.guidance)
+            if start <= j < start + K:
+                if j == start:
+                    states.append(x)
+                step = formulas.stochastic_step(cfg.sampler, x, v, sigmas[j], sigmas[j + 1], cfg.noise_level,
+                                                sigmas[1], noise=noise())
+                x = step.sample
+                states.append(x)
+                vels.append(v)
+                lps.append(step.log_prob)
+            else:
+                x = formulas.ode_step(x, v, sigmas[j], sigmas[j + 1])
+    return Sampled(torch.stack(states, 1).cpu(), torch.stack(vels, 1).cpu(), torch.stack(lps, 1).cpu(), x.cpu())
+
+
+def trajectory_meta(cfg: RolloutConfig, prompt: Prompt, member: int, seed: int, start: int, sigmas: list[float]) -> dict:
+    return {
+        "trajectory_id": f"{prompt.prompt_id}-m{member:03d}", "prompt_id": prompt.prompt_id, "prompt": prompt.prompt,
+        "prompt_metadata": prompt.metadata, "member": member, "seed": seed, "base_seed": cfg.seed,
+        "model": cfg.model, "lora": cfg.lora, "sampler": cfg.sampler, "noise_level": cfg.noise_level,
+        "guidance": cfg.guidance, "steps": cfg.steps, "window_start": start, "window_size": cfg.window_size,
+        "sigmas": sigmas, "resolution": cfg.resolution, "schema_version": layout.SCHEMA_VERSION,
+    }
+
+
+def write_shard(model, cfg: RolloutConfig, prompts: list[Prompt], sigmas: list[float], start: int, path: Path,
+                advance=lambda n: None) -> dict:
+    """Sample every member of these prompts and write them as one shard. Returns its stats."""
+    t0 = time.perf_counter()
+    emb = model.encode([p.prompt for p in prompts], cfg.max_sequence_length)
+    t_encode = time.perf_counter() - t0
+    writer = ShardWriter()
+    for i, p in enumerate(prompts):
+        writer.add_prompt(PromptRecord(p.prompt_id, p.prompt, p.metadata, {k: emb[k][i: i + 1] for k in EMBED_KEYS}))
+    jobs = [(i, p, m) for i, p in enumerate(prompts) for m in range(cfg.group_size)]
+    t_sample = t_decode = 0.0
+    for b in range(0, len(jobs), cfg.batch_size):
+        batch = jobs[b: b + cfg.batch_size]
+        seeds = [derive_seed(cfg.seed, p.prompt_id, m) for _, p, m in batch]
+        idx = torch.tensor([i for i, _, _ in batch], device=emb["prompt_embeds"].device)
+        t0 = time.perf_counter()
+        out = sample(model, cfg, sigmas, start, {k: emb[k][idx] for k in EMBED_KEYS}, seeds)
+        t1 = time.perf_counter()
+        images = model.decode(out.final)
+        t_decode += time.perf_counter() - t1
+        t_sample += t1 - t0
+        for n, (_, p, m) in enumerate(batch):
+            tensors = {"states": out.states[n], "velocities": out.velocities[n], "log_probs": out.log_probs[n],
+                       "final_latent": out.final[n]}
+            writer.add_trajectory(TrajectoryRecord(trajectory_meta(cfg, p, m, seeds[n], start, sigmas), tensors,
+                                                   _png(images[n])))
+        advance(len(batch))
+    t0 = time.perf_counter()
+    writer.write(path)
+    return {
+        "counts": {"prompts": len(prompts), "trajectories": len(jobs), "transformer_calls": len(jobs) * cfg.steps,
+                   "decodes": len(jobs)},
+        "seconds": {"encode": t_encode, "sample": t_sample, "decode": t_decode, "write": time.perf_counter() - t0},
+    }
+
+
+def _png(image) -> bytes:
+    from tpkit.sd3 import png_bytes
+
+    return png_bytes(image)
+
+
+def run(cfg: RolloutConfig) -> dict | None:
+    """Run (or finish) a rollout. Returns the manifest once every shard exists, else None."""
+    from tpkit import sd3
+    from tpkit.ui import track
+
+    # 1. Check inputs and plan the work: shards of whole prompt groups, this rank's share.
+    cfg.validate()
+    out = Path(cfg.out)
+    prompts = layout.load_prompts(Path(cfg.prompts))
+    shards = plan_shards(prompts, cfg.prompts_per_shard)
+    start = draw_window_start(cfg)
+
+    def existing(i: int) -> list[Path]:
+        return list(out.glob(f"shard-r*-{i:05d}.tar"))
+
+    todo = [i for i in range(len(shards)) if i % cfg.world_size == cfg.rank and not existing(i)]
+
+    # 2. Load the model with its text encoders (and the policy's LoRA, from the previous round).
+    if todo:
+        model = sd3.load(cfg.model, cfg.device, cfg.dtype, text_encoders=True, lora=cfg.lora)
+        sigmas = model.sigmas(cfg.steps)
+
+        # 3. Sample and write each shard (atomically: a crash leaves whole shards only).
+        with track(sum(len(shards[i]) for i in todo) * cfg.group_size, "rollout") as advance:
+            for i in todo:
+                path = out / layout.shard_name(cfg.rank, i)
+                stats = write_shard(model, cfg, shards[i], sigmas, start, path, advance)
+                layout.atomic_write_json(path.with_name(layout.stats_name(path)), stats)
+
+    # 4. The last rank to finish writes the manifest, summing every shard's stats.
+    done = [existing(i) for i in range(len(shards))]
+    if not all(done):
+        return None
+    files = [d[0] for d in done]
+    stats = layout.sum_stats(files)
+    meta0 = layout.read_shard(files[0], load_tensors=False)[1][0].meta
+    return layout.write_manifest(
+        out, "rollout", to_dict(cfg),
+        inputs={"prompts": str(cfg.prompts), "prompts_sha256": _sha256(Path(cfg.prompts)), "model": cfg.model,
+                "lora": cfg.lora},
+        counts={"shards": len(files), **stats.get("counts", {})},
+        seconds=stats.get("seconds", {}), window_start=start, sigmas=meta0["sigmas"],
+        shards=[f.name for f in files],
+    )
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

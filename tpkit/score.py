@@ -1,0 +1,246 @@
+"""Stage 2, `tpkit score`: the reward R_k of the ODE completion ("branch") from every window state.
+
+R_k = R(decode(ODE(s_k))) for k = 0..K-1; R_K is the trajectory's own final image, read from the
+shard and never recomputed. Branches of all trajectories and states of a shard share transformer
+batches (per-sample timesteps, continuous refill as branches finish), and each branch's first step
+reuses the rollout's velocity v(s_k), so a trajectory costs sum_k (T - a - k - 1) calls here
+(45 for T = 10, K = 9). Decoded images are scored on a worker thread while the transformer runs.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tpkit import formulas, layout
+from tpkit.config import ScoreConfig, to_dict
+from tpkit.errors import InputError, RewardError
+from tpkit.layout import EMBED_KEYS, PromptRecord, TrajectoryRecord
+from tpkit.rewards import Reward, load_rewards, score_images
+
+# Settings every trajectory of a rollout must share (they define what "step k" means).
+SHARED_SETTINGS = ("model", "lora", "sampler", "noise_level", "guidance", "steps", "window_start", "window_size",
+                   "resolution", "sigmas")
+
+
+@dataclass
+class Branch:
+    traj: int  # index into the shard's trajectories
+    k: int  # window state s_k it starts from
+    x: torch.Tensor  # current latent [C, h, w]
+    j: int  # next schedule step to take
+
+
+@dataclass
+class Counters:
+    transformer_calls: int = 0
+    decodes: int = 0
+    reward_calls: int = 0
+    t_transformer: float = 0.0
+    t_decode: float = 0.0
+    t_reward_wait: float = 0.0
+
+
+def _pil(image_or_png):
+    from PIL import Image
+
+    if isinstance(image_or_png, bytes):
+        return Image.open(io.BytesIO(image_or_png)).convert("RGB")
+    return Image.fromarray(image_or_png)
+
+
+class BranchScorer:
+    """Completes branches in shared batches, decodes them, and scores images on a worker thread."""
+
+    def __init__(self, model, rewards: list[Reward], cfg: ScoreConfig):
+        self.model, self.rewards, self.cfg = model, rewards, cfg
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpkit-reward")
+        self.counters = Counters()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def _score_async(self, keys: list[tuple[int, int]], images: list, trajs: list[TrajectoryRecord],
+                     prompts: dict[str, PromptRecord]) -> Future:
+        texts = [trajs[n].meta["prompt"] for n, _ in keys]
+        metas = [prompts[trajs[n].meta["prompt_id"]].metadata for n, _ in keys]
+        self.counters.reward_calls += len(keys)
+        return self.pool.submit(lambda: (keys, score_images(self.rewards, [_pil(im) for im in images], texts, metas)))
+
+    def score_shard(self, prompts: dict[str, PromptRecord], trajs: list[TrajectoryRecord], branches: str,
+                    advance=lambda n: None) -> dict[tuple[int, int], dict[str, float]]:
+        """{(trajectory index, k): {column: value}} for k = 0..K (or only K with branches='final')."""
+        cfg, model, c = self.cfg, self.model, self.counters
+        K = trajs[0].meta["window_size"]
+        futures: list[Future] = []
+        # R_K: the trajectory's own final image, already decoded by rollout.
+        for b in range(0, len(trajs), cfg.decode_batch_size):
+            idx = range(b, min(b + cfg.decode_batch_size, len(trajs)))
+            futures.append(self._score_async([(n, K) for n in idx], [trajs[n].final_png for n in idx], trajs, prompts))
+        if branches == "all":
+            futures += self._complete(prompts, trajs, advance)
+        results: dict[tuple[int, int], dict[str, float]] = {}
+        t0 = time.perf_counter()
+        for f in futures:
+            keys, cols = f.result()
+            for i, key in enumerate(keys):
+                results[key] = {name: vals[i] for name, vals in cols.items()}
+        c.t_reward_wait += time.perf_counter() - t0
+        return results
+
+    def _complete(self, prompts: dict[str, PromptRecord], trajs: list[TrajectoryRecord], advance) -> list[Future]:
+        """ODE-complete every branch k < K of every trajectory; returns the reward futures."""
+        cfg, model, c = self.cfg, self.model, self.counters
+        meta = trajs[0].meta
+        sigmas, T, a, K, w = meta["sigmas"], meta["steps"], meta["window_start"], meta["window_size"], meta["guidance"]
+        pids = sorted(prompts)
+        emb = {k: torch.cat([prompts[p].embeds[k] for p in pids]).to(model.device) for k in EMBED_KEYS}
+        prompt_row = torch.tensor([pids.index(t.meta["prompt_id"]) for t in trajs])
+
+        # First step of branch k reuses v(s_k) from the rollout: no transformer call.
+        pending: deque[Branch] = deque()
+        for n, t in enumerate(trajs):
+            for k in range(K):
+                x = formulas.ode_step(t.tensors["states"][k: k + 1], t.tensors["velocities"][k: k + 1],
+                                      sigmas[a + k], sigmas[a + k + 1])[0]
+                pending.append(Branch(n, k, x, a + k + 1))
+        active: list[Branch] = []
+        finished: list[Branch] = []
+        futures: list[Future] = []
+
+        def flush(force: bool) -> None:
+            while finished and (force or len(finished) >= cfg.decode_batch_size):
+                batch = [finished.pop(0) for _ in range(min(cfg.decode_batch_size, len(finished)))]
+                t0 = time.perf_counter()
+                images = model.decode(torch.stack([b.x for b in batch]))
+                c.t_decode += time.perf_counter() - t0
+                c.decodes += len(batch)
+                futures.append(self._score_async([(b.traj, b.k) for b in batch], list(images), trajs, prompts))
+                advance(len(batch))
+
+        while pending or active:
+            while len(active) < cfg.batch_size and pending:
+                b = pending.popleft()
+                (finished if b.j >= T else active).append(b)
+            if active:
+                t0 = time.perf_counter()
+                x = torch.stack([b.x for b in active])
+                sig = torch.tensor([sigmas[b.j] for b in active])
+                sig_next = torch.tensor([sigmas[b.j + 1] for b in active])
+                rows = prompt_row[[b.traj for b in active]].to(model.device)
+                with torch.no_grad():
+                    v = model.velocity(x, sig, {k: e[rows] for k, e in emb.items()}, w)
+                    x_next = formulas.ode_step(x, v, sig.to(x.device), sig_next.to(x.device))
+                c.transformer_calls += len(active)
+                c.t_transformer += time.perf_counter() - t0
+                for b, xn in zip(active, x_next):
+                    b.x, b.j = xn, b.j + 1
+                finished += [b for b in active if b.j >= T]
+                active = [b for b in active if b.j < T]
+            flush(force=not pending and not active)
+        return futures
+
+
+def check_rollout(trajs: list[TrajectoryRecord], reference: dict, shard: Path) -> None:
+    """Every trajectory must share the rollout's settings; a mixed folder would make "step k" meaningless."""
+    for t in trajs:
+        for key in SHARED_SETTINGS:
+            if t.meta.get(key) != reference.get(key):
+                raise InputError(
+                    f"{shard}: trajectory {t.trajectory_id} has {key} = {t.meta.get(key)!r}, other shards {reference.get(key)!r}",
+                    "score one rollout at a time: do not mix shards from different rollouts in one folder")
+
+
+def rows_for_shard(trajs: list[TrajectoryRecord], results: dict, branches: str) -> list[dict]:
+    rows = []
+    for n, t in enumerate(trajs):
+        m = t.meta
+        for k in (range(m["window_size"] + 1) if branches == "all" else [m["window_size"]]):
+            j = m["window_start"] + k
+            rows.append({"trajectory_id": m["trajectory_id"], "prompt_id": m["prompt_id"], "branch": k,
+                         **results[(n, k)], "member": m["member"], "step_index": j, "sigma": m["sigmas"][j],
+                         "prompt": m["prompt"]})
+    return rows
+
+
+def check_finite(rows: list[dict], shard: Path) -> None:
+    bad = sorted({r["trajectory_id"] for r in rows if not math.isfinite(r["reward"])})
+    if bad:
+        raise RewardError(f"{shard}: reward is NaN or infinite for {len(bad)} trajectories: {', '.join(bad[:8])}"
+                          + (" ..." if len(bad) > 8 else ""), "fix the reward function; nothing was written for this shard")
+
+
+def run(cfg: ScoreConfig) -> dict | None:
+    """Score (or finish scoring) a rollout folder. Returns the manifest once every shard is scored."""
+    import pyarrow as pa
+
+    from tpkit import sd3
+    from tpkit.ui import track
+
+    # 1. Check inputs and build every reward up front (a missing reward model fails here, not halfway).
+    cfg.validate()
+    rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
+    rollout = layout.read_manifest(rollout_dir, "rollout")
+    shards = layout.list_shards(rollout_dir)
+    if len(shards) != rollout["counts"]["shards"]:
+        raise InputError(f"{rollout_dir}: {len(shards)} shards, the manifest lists {rollout['counts']['shards']}",
+                         "rerun `tpkit rollout` with the same options to restore the missing shards")
+    rewards = load_rewards(cfg.rewards, cfg.reward_options)
+
+    # 2. This rank's shards that have no scores yet.
+    def target(shard: Path) -> Path:
+        return out / layout.scores_name(shard)
+
+    todo = [s for s in shards if layout.shard_index(s) % cfg.world_size == cfg.rank and not target(s).is_file()]
+
+    # 3. Load transformer and VAE only (no text encoders), with the rollout's policy.
+    if todo:
+        rc = rollout["config"]
+        model = None
+        if cfg.branches == "all":
+            model = sd3.load(rc["model"], cfg.device, cfg.dtype, text_encoders=False, lora=rc["lora"])
+        scorer = BranchScorer(model, rewards, cfg)
+        reference = None
+        per_traj = rc["window_size"] if cfg.branches == "all" else 0
+        total = per_traj * layout.sum_stats(todo).get("counts", {}).get("trajectories", 0)
+        try:
+            # 4. Per shard: complete branches, decode, score; write Parquet + stats atomically.
+            with track(total, "score branches") as advance:
+                for shard in todo:
+                    before = vars(scorer.counters).copy()
+                    t0 = time.perf_counter()
+                    prompts, trajs = layout.read_shard(shard)
+                    reference = reference or {k: trajs[0].meta.get(k) for k in SHARED_SETTINGS}
+                    check_rollout(trajs, reference, shard)
+                    t_read = time.perf_counter() - t0
+                    results = scorer.score_shard(prompts, trajs, cfg.branches, advance)
+                    rows = rows_for_shard(trajs, results, cfg.branches)
+                    check_finite(rows, shard)
+                    t0 = time.perf_counter()
+                    layout.write_parquet(target(shard), pa.Table.from_pylist(rows))
+                    delta = {k: v - before[k] for k, v in vars(scorer.counters).items()}
+                    stats = {"counts": {"trajectories": len(trajs), "rows": len(rows),
+                                        **{k: delta[k] for k in ("transformer_calls", "decodes", "reward_calls")}},
+                             "seconds": {"read": t_read, "transformer": delta["t_transformer"], "decode": delta["t_decode"],
+                                         "reward_wait": delta["t_reward_wait"], "write": time.perf_counter() - t0}}
+                    layout.atomic_write_json(target(shard).with_name(layout.stats_name(target(shard))), stats)
+        finally:
+            scorer.close()
+
+    # 5. The last rank to finish writes the manifest.
+    if not all(target(s).is_file() for s in shards):
+        return None
+    files = [target(s) for s in shards]
+    stats = layout.sum_stats(files)
+    return layout.write_manifest(
+        out, "score", to_dict(cfg), inputs={"rollout": str(rollout_dir), "rollout_config": rollout["config"]},
+        counts=stats.get("counts", {}), seconds=stats.get("seconds", {}),
+        reward_columns=["reward"] + [r.column for r in rewards], files=[f.name for f in files],
+    )

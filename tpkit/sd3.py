@@ -1,0 +1,262 @@
+"""The Stable Diffusion 3 / 3.5 model family: loading, prompt encoding, CFG velocity, decoding, LoRA.
+
+The only module that imports diffusers. Every model, the built-in `tiny-sd3` included, is loaded
+by `StableDiffusion3Pipeline.from_pretrained(id_or_local_folder)`; the tiny one is first built
+from constructor arguments (fixed seed, nothing downloaded) and saved under $TPKIT_HOME.
+Stages that do not need the text encoders (score, train) load without them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tpkit.config import TINY_MODEL
+from tpkit.errors import ModelError
+
+TINY_RESOLUTION = 64
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+_TINY_VERSION = 1  # bump when the tiny architecture changes, so old caches are not reused
+
+
+def _quiet_libraries() -> None:
+    """tpkit draws its own Rich progress; the libraries' tqdm bars and info logs would interleave."""
+    import transformers
+
+    # transformers first: importing diffusers' pipelines logs a torchvision notice we do not need.
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    import diffusers
+
+    diffusers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+
+
+def tpkit_home() -> Path:
+    return Path(os.environ.get("TPKIT_HOME", "~/.cache/tpkit")).expanduser()
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in tiny model
+# --------------------------------------------------------------------------------------------
+
+
+def _tiny_tokenizer():
+    """Byte-level CLIP tokenizer: 256 byte symbols, their </w> forms, two specials, no merges."""
+    from transformers import CLIPTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    vocab = {s: i for i, s in enumerate(symbols + [s + "</w>" for s in symbols] + ["<|startoftext|>", "<|endoftext|>"])}
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def build_tiny_sd3(path: Path) -> None:
+    """A complete, deterministic, randomly initialised StableDiffusion3Pipeline (about 3 MB).
+
+    Same structure as SD3.5-Medium in miniature: a 2-block MMDiT with RMS q/k norm, a VAE that
+    downsamples 8x with 16 latent channels (64 px -> 8x8 latent), two CLIP text encoders with
+    projection and a T5 encoder.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    _quiet_libraries()
+    tok = _tiny_tokenizer()
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(
+        sample_size=TINY_RESOLUTION // 8, patch_size=2, in_channels=16, out_channels=16, num_layers=2,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=32,
+        pooled_projection_dim=64, pos_embed_max_size=32, qk_norm="rms_norm",
+    )
+    torch.manual_seed(1)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=16, sample_size=TINY_RESOLUTION,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 16, 16, 16), layers_per_block=1, norm_num_groups=4,
+        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5305, shift_factor=0.0609,
+    )
+    clip_cfg = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, projection_dim=32, max_position_embeddings=77,
+                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(2)
+    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
+    torch.manual_seed(3)
+    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
+    torch.manual_seed(4)
+    text_encoder_3 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=64, d_ff=64, d_kv=16, num_layers=1,
+                                             num_heads=4, decoder_start_token_id=0, pad_token_id=tok.pad_token_id))
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=text_encoder, tokenizer=tok, text_encoder_2=text_encoder_2, tokenizer_2=tok,
+        text_encoder_3=text_encoder_3, tokenizer_3=tok,
+    )
+    pipe.save_pretrained(path)
+
+
+def resolve_model(model: str) -> str:
+    """`tiny-sd3` -> its folder under $TPKIT_HOME (built on first use); anything else as given."""
+    if model != TINY_MODEL:
+        return model
+    path = tpkit_home() / "models" / f"{TINY_MODEL}-v{_TINY_VERSION}"
+    if not (path / "model_index.json").is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+        try:
+            build_tiny_sd3(tmp)
+            try:
+                os.replace(tmp, path)  # atomic; a concurrent builder may have won the race
+            except OSError:
+                if not (path / "model_index.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Devices and loading
+# --------------------------------------------------------------------------------------------
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "float16": torch.float16}
+    if dtype not in table:
+        raise ModelError(f"unknown dtype {dtype!r}", f"use one of auto, {', '.join(table)}")
+    return table[dtype]
+
+
+@dataclass
+class SD3:
+    """A loaded SD3 pipeline (text encoders optional) and the operations tpkit needs from it."""
+
+    pipe: object
+    model: str  # what the user passed (hub id, folder or tiny-sd3)
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def transformer(self):
+        return self.pipe.transformer
+
+    # ---- schedule -----------------------------------------------------------------------
+    def sigmas(self, steps: int) -> list[float]:
+        """sigma_0 = 1 > ... > sigma_T = 0 of the model's FlowMatchEuler scheduler (with its shift)."""
+        sched = self.pipe.scheduler
+        sched.set_timesteps(steps, device="cpu")
+        return [float(s) for s in sched.sigmas]
+
+    def latent_shape(self, resolution: int) -> tuple[int, int, int]:
+        f = 2 ** (len(self.pipe.vae.config.block_out_channels) - 1)
+        return (self.transformer.config.in_channels, resolution // f, resolution // f)
+
+    # ---- text ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, prompts: list[str], max_sequence_length: int = 256) -> dict[str, torch.Tensor]:
+        """Prompt and empty-negative embeddings, in the transformer's dtype, batch = len(prompts)."""
+        if self.pipe.text_encoder is None:
+            raise ModelError("this stage loaded the model without text encoders", "internal: load with text_encoders=True")
+        pe, npe, pooled, npooled = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=1,
+            do_classifier_free_guidance=True, negative_prompt=[""] * len(prompts), max_sequence_length=max_sequence_length,
+        )
+        out = dict(prompt_embeds=pe, pooled_prompt_embeds=pooled, negative_prompt_embeds=npe,
+                   negative_pooled_prompt_embeds=npooled)
+        return {k: v.to(self.dtype) for k, v in out.items()}
+
+    # ---- velocity -----------------------------------------------------------------------
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, embeds: dict[str, torch.Tensor], guidance: float) -> torch.Tensor:
+        """v = v_uncond + w (v_text - v_uncond), float32 [B, C, h, w].
+
+        x: [B, C, h, w]; sigma: [B] (per-sample, so branches at different steps share a batch);
+        embeds: EMBED_KEYS -> [B, ...]. CFG runs as one doubled batch; the transformer's timestep
+        input is 1000 sigma. Gradients flow when called outside no_grad (training).
+        """
+        x = x.to(self.device)
+        sigma = sigma.to(self.device, torch.float32)
+        if guidance > 1.0:
+            hidden = torch.cat([x, x])
+            enc = torch.cat([embeds["negative_prompt_embeds"], embeds["prompt_embeds"]])
+            pooled = torch.cat([embeds["negative_pooled_prompt_embeds"], embeds["pooled_prompt_embeds"]])
+            t = torch.cat([sigma, sigma])
+        else:
+            hidden, enc, pooled, t = x, embeds["prompt_embeds"], embeds["pooled_prompt_embeds"], sigma
+        out = self.transformer(
+            hidden_states=hidden.to(self.dtype), timestep=t * 1000.0, encoder_hidden_states=enc.to(self.device, self.dtype),
+            pooled_projections=pooled.to(self.device, self.dtype), return_dict=False,
+        )[0].float()
+        if guidance > 1.0:
+            v_uncond, v_text = out.chunk(2)
+            return v_uncond + guidance * (v_text - v_uncond)
+        return out
+
+    # ---- images -------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Latents [B, C, h, w] -> uint8 images [B, H, W, 3]."""
+        vae = self.pipe.vae
+        z = latents.to(self.device, torch.float32) / vae.config.scaling_factor + vae.config.shift_factor
+        img = vae.decode(z.to(vae.dtype), return_dict=False)[0].float()
+        img = ((img / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        return img.permute(0, 2, 3, 1).cpu().numpy()
+
+
+def load(model: str, device: str = "auto", dtype: str = "auto", text_encoders: bool = True,
+         lora: str | None = None) -> SD3:
+    """Load an SD3 pipeline by hub id, local folder or `tiny-sd3`, optionally with a LoRA adapter."""
+    from diffusers import StableDiffusion3Pipeline
+
+    _quiet_libraries()
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    path = resolve_model(model)
+    skip = {} if text_encoders else {k: None for k in (
+        "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")}
+    try:
+        pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dt, **skip)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(
+            f"cannot load model {model!r}: {first[:200]}",
+            f"download it first (`hf download {model}`) or pass a local folder with --model; "
+            f"`--model {TINY_MODEL}` needs nothing") from None
+    pipe.to(dev)
+    pipe.set_progress_bar_config(disable=True)
+    for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+        if m is not None:
+            m.eval().requires_grad_(False)
+    if lora:
+        load_lora(pipe, lora)
+    return SD3(pipe=pipe, model=model, device=dev, dtype=dt)
+
+
+def load_lora(pipe, lora: str) -> None:
+    if not (Path(lora) / "pytorch_lora_weights.safetensors").is_file():
+        raise ModelError(f"{lora}: no pytorch_lora_weights.safetensors there",
+                         "pass the adapter/ folder written by `tpkit train`")
+    pipe.load_lora_weights(lora)
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    """uint8 [H, W, 3] -> PNG bytes (lossless, deterministic)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return buf.getvalue()

@@ -1,0 +1,156 @@
+"""Rich views of stage outputs: the summaries the stage commands print and `tpkit inspect PATH`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.table import Table
+
+from tpkit import layout
+from tpkit.errors import InputError
+from tpkit.ui import console
+
+
+def _kv_table(title: str, items: dict) -> Table:
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    for k, v in items.items():
+        t.add_row(str(k), v if isinstance(v, str) else json.dumps(v, default=str))
+    return t
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def manifest_summary(manifest: dict) -> None:
+    """Counts and seconds per phase of any stage."""
+    console.print(_kv_table(f"{manifest['stage']}: counts", manifest.get("counts", {})))
+    if manifest.get("seconds"):
+        console.print(_kv_table(f"{manifest['stage']}: seconds per phase",
+                                {k: f"{v:.2f}" for k, v in manifest["seconds"].items()}))
+
+
+def rollout_settings(manifest: dict) -> None:
+    c = manifest["config"]
+    keys = ("model", "lora", "sampler", "noise_level", "guidance", "steps", "window_size", "window_range",
+            "group_size", "resolution", "seed")
+    console.print(_kv_table("rollout settings", {**{k: c[k] for k in keys}, "window_start": manifest["window_start"]}))
+
+
+def scores_view(table) -> None:
+    """Reward statistics per branch k (R_0 .. R_K)."""
+    import numpy as np
+
+    branch = np.asarray(table["branch"].to_pylist())
+    comps = [c for c in table.column_names if c == "reward" or c.startswith("reward_")]
+    t = Table(title=f"rewards per branch ({len(set(table['trajectory_id'].to_pylist()))} trajectories)",
+              title_justify="left")
+    t.add_column("branch k", justify="right")
+    for c in comps:
+        t.add_column(f"{c} mean ± std", justify="right")
+    t.add_column("min", justify="right")
+    t.add_column("max", justify="right")
+    values = {c: np.asarray(table[c].to_pylist(), dtype=float) for c in comps}
+    for k in sorted(set(branch.tolist())):
+        sel = branch == k
+        r = values["reward"][sel]
+        t.add_row(str(k), *[f"{_fmt(values[c][sel].mean())} ± {_fmt(values[c][sel].std())}" for c in comps],
+                  _fmt(r.min()), _fmt(r.max()))
+    console.print(t)
+
+
+def advantages_view(summary: dict) -> None:
+    """Turning points per step: candidates, rate, sign of agg, kept after balancing."""
+    t = Table(title=(f"turning points: {summary['turning_points']} found, {summary['turning_points_kept']} kept "
+                     f"({summary['trajectories']} trajectories, {summary['prompts']} prompts, K = {summary['K']})"),
+              title_justify="left")
+    for col in ("step", "turning points", "rate", "positive agg", "negative agg", "kept"):
+        t.add_column(col, justify="right")
+    for s in summary["per_step"]:
+        t.add_row(str(s["step"]), str(s["candidates"]), f"{s['rate']:.1%}", str(s["positive"]), str(s["negative"]),
+                  str(s["kept"]))
+    console.print(t)
+    console.print(f"final reward R_K: {_fmt(summary['final_reward_mean'])} ± {_fmt(summary['final_reward_std'])}")
+
+
+def _advantages_summary_from_table(table) -> dict:
+    import numpy as np
+
+    step = np.asarray(table["step"].to_pylist())
+    cand = np.asarray(table["turning_point_candidate"].to_pylist(), dtype=bool)
+    kept = np.asarray(table["turning_point"].to_pylist(), dtype=bool)
+    agg = np.asarray(table["aggregated_reward"].to_pylist(), dtype=float)
+    final = np.asarray(table["final_reward"].to_pylist(), dtype=float)
+    ids = table["trajectory_id"].to_pylist()
+    per_step = [{"step": int(k), "candidates": int(cand[step == k].sum()), "rate": float(cand[step == k].mean()),
+                 "positive": int((cand & (agg > 0))[step == k].sum()), "negative": int((cand & (agg < 0))[step == k].sum()),
+                 "kept": int(kept[step == k].sum())} for k in sorted(set(step.tolist()))]
+    return {"trajectories": len(set(ids)), "prompts": len(set(table["prompt_id"].to_pylist())), "K": int(step.max()),
+            "turning_points": int(cand.sum()), "turning_points_kept": int(kept.sum()),
+            "final_reward_mean": float(final[step == 1].mean()), "final_reward_std": float(final[step == 1].std()),
+            "per_step": per_step}
+
+
+def shard_view(path: Path) -> None:
+    import numpy as np
+
+    prompts, trajs = layout.read_shard(path)
+    console.print(f"[bold]{path}[/]: {len(prompts)} prompts, {len(trajs)} trajectories")
+    if trajs:
+        m = trajs[0].meta
+        settings = {k: m[k] for k in ("model", "lora", "sampler", "noise_level", "guidance", "steps", "window_start",
+                                       "window_size", "resolution")}
+        settings.update({f"tensor {k}": f"{list(v.shape)} {str(v.dtype).replace('torch.', '')}"
+                         for k, v in trajs[0].tensors.items()})
+        console.print(_kv_table("trajectory settings and shapes", settings))
+        lp = np.stack([t.tensors["log_probs"].numpy() for t in trajs])
+        t = Table(title="log-prob per window step (mean ± std over trajectories)", title_justify="left")
+        t.add_column("step k", justify="right")
+        t.add_column("log-prob", justify="right")
+        for k in range(lp.shape[1]):
+            t.add_row(str(k + 1), f"{_fmt(lp[:, k].mean())} ± {_fmt(lp[:, k].std())}")
+        console.print(t)
+    t = Table(title="prompts", title_justify="left")
+    for col in ("prompt_id", "members", "prompt"):
+        t.add_column(col)
+    for pid, p in prompts.items():
+        t.add_row(pid, str(sum(tr.meta["prompt_id"] == pid for tr in trajs)), p.prompt[:80])
+    console.print(t)
+
+
+def inspect(path: Path) -> None:
+    """Summarise a stage folder, a shard or a Parquet file."""
+    path = Path(path)
+    if path.is_dir():
+        manifest_path = path / layout.MANIFEST
+        if not manifest_path.is_file():
+            raise InputError(f"{path}: no {layout.MANIFEST} (not a finished stage folder)",
+                             "pass a stage folder (rollout/, score/, advantages/, train/), a .tar shard or a .parquet file")
+        manifest = json.loads(manifest_path.read_text())
+        stage = manifest.get("stage")
+        console.print(f"[bold]{path}[/]: {stage} stage, schema {manifest.get('schema_version')}, "
+                      f"tpkit {manifest.get('tpkit_version')}")
+        if stage == "rollout":
+            rollout_settings(manifest)
+            shards = layout.list_shards(path)
+            if shards:
+                shard_view(shards[0])
+        elif stage == "score":
+            scores_view(layout.read_parquet_tables(path, "score"))
+        elif stage == "advantages":
+            advantages_view(manifest["summary"])
+        manifest_summary(manifest)
+    elif path.suffix == ".tar":
+        shard_view(path)
+    elif path.suffix == ".parquet":
+        table = layout.read_parquet_tables(path, "score")
+        console.print(f"[bold]{path}[/]: {table.num_rows} rows; columns: {', '.join(table.column_names)}")
+        if "advantage" in table.column_names and "turning_point_candidate" in table.column_names:
+            advantages_view(_advantages_summary_from_table(table))
+        elif {"branch", "reward"} <= set(table.column_names):
+            scores_view(table)
+    else:
+        raise InputError(f"{path}: not a folder, .tar or .parquet", "pass a stage folder, a shard or a Parquet file")
