@@ -65,10 +65,10 @@ def build_tiny_sd3(path: Path) -> None:
     downsamples 8x with 16 latent channels (64 px -> 8x8 latent), two CLIP text encoders with
     projection and a T5 encoder.
     """
+    _quiet_libraries()
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    _quiet_libraries()
     tok = _tiny_tokenizer()
     torch.manual_seed(0)
     transformer = SD3Transformer2DModel(
@@ -220,9 +220,9 @@ class SD3:
 def load(model: str, device: str = "auto", dtype: str = "auto", text_encoders: bool = True,
          lora: str | None = None) -> SD3:
     """Load an SD3 pipeline by hub id, local folder or `tiny-sd3`, optionally with a LoRA adapter."""
+    _quiet_libraries()
     from diffusers import StableDiffusion3Pipeline
 
-    _quiet_libraries()
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve_model(model)

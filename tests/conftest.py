@@ -1,0 +1,43 @@
+"""Shared fixtures: one tiny-sd3 build and one small rollout/score per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tpkit_home(tmp_path_factory) -> Path:
+    """Every test builds/loads tiny-sd3 under a private $TPKIT_HOME (never the user's cache)."""
+    home = tmp_path_factory.mktemp("tpkit-home")
+    old = os.environ.get("TPKIT_HOME")
+    os.environ["TPKIT_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("TPKIT_HOME", None)
+    else:
+        os.environ["TPKIT_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def two_prompts(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("prompts") / "two.txt"
+    p.write_text("a red cube on a wooden table\na small boat on a calm lake at dawn\n")
+    return p
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, two_prompts) -> Path:
+    """rollout -> score -> advantages on tiny-sd3: 2 prompts x 4 members, T = 10, K = 9."""
+    from tpkit import advantages, rollout, score
+    from tpkit.config import AdvantagesConfig, RolloutConfig, ScoreConfig
+
+    run = tmp_path_factory.mktemp("tiny-run")
+    rollout.run(RolloutConfig(prompts=str(two_prompts), out=str(run / "rollout"), group_size=4, prompts_per_shard=1))
+    score.run(ScoreConfig(rollout=str(run / "rollout"), out=str(run / "score")))
+    advantages.run(AdvantagesConfig(scores=str(run / "score"), out=str(run / "advantages")))
+    return run
