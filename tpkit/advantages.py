@@ -24,7 +24,7 @@ class RewardMatrix:
     trajectory_ids: np.ndarray  # [N] str
     prompt_ids: np.ndarray  # [N] str
     R: np.ndarray  # [N, K+1] float64
-    complete: bool  # every branch 0..K present (False: only R_K, the Flow-GRPO baseline)
+    complete: bool  # every branch 0..K present (else some trajectories have only R_K: Flow-GRPO baseline)
 
     @property
     def K(self) -> int:
@@ -80,19 +80,19 @@ def reward_matrix(table, source: str, method: str) -> RewardMatrix:
                              "a trajectory belongs to one prompt")
         prompt_of[i] = p
 
+    if K == 0:
+        raise InputError(f"{source}: only branch 0 in the table, so there are no steps",
+                         "score every window state: branches 0..K with K >= 1 (`tpkit score --branches all`)")
     full = seen.all(1)
     final_only = seen[:, -1] & (seen.sum(1) == 1)
-    if full.all():
-        complete = True
-    elif method == "flow-grpo" and final_only.all():
-        complete = False
-    else:
-        bad_i = np.flatnonzero(~(full if method == "tp-grpo" else full | final_only))[0]
+    accepted = full if method == "tp-grpo" else full | final_only  # flow-grpo needs only R_K
+    if not accepted.all():
+        bad_i = np.flatnonzero(~accepted)[0]
         have = np.flatnonzero(seen[bad_i]).tolist()
         raise InputError(
             f"{source}: trajectory {ids[bad_i]} has branches {have}, expected 0..{K} (K = largest branch in the table)",
             "score with --branches all (every trajectory needs the same K); flow-grpo also accepts only the final branch")
-    return RewardMatrix(ids, prompt_of.astype(str), R, complete)
+    return RewardMatrix(ids, prompt_of.astype(str), R, bool(full.all()))
 
 
 @dataclass
@@ -110,7 +110,7 @@ class Advantages:
 def compute(m: RewardMatrix, method: str, balance: str, std: str) -> Advantages:
     N, K = m.R.shape[0], m.K
     d, agg = formulas.step_rewards(m.R), formulas.aggregated_rewards(m.R)
-    candidate = formulas.turning_points(m.R) if m.complete else np.zeros((N, K), dtype=bool)
+    candidate = formulas.turning_points(m.R)  # NaN rows (only R_K scored) fail every sign test
     if method == "flow-grpo":
         tp = np.zeros((N, K), dtype=bool)
         shaped = np.repeat(m.R[:, -1:], K, axis=1)

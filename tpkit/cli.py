@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import typer
 
-from tpkit.config import TINY_MODEL
+from tpkit.config import LORA_TARGETS, TINY_MODEL
 from tpkit.errors import TpkitError
 
 app = typer.Typer(
@@ -114,6 +114,70 @@ def advantages(
 
 
 @app.command()
+def train(
+    rollout_dir: Path = typer.Option(..., "--rollout", help="Folder written by `tpkit rollout`."),
+    advantages_dir: Path = typer.Option(..., "--advantages", help="Folder written by `tpkit advantages`."),
+    out: Path = typer.Option(..., "--out", help="Output folder: adapter/, state/, metrics.jsonl, manifest.json."),
+    init_lora: Optional[Path] = typer.Option(None, help="adapter/ of a previous round (its state/ is continued too)."),
+    lora_rank: int = typer.Option(32, help="LoRA rank r."),
+    lora_alpha: int = typer.Option(64, help="LoRA alpha."),
+    lora_target: List[str] = typer.Option(list(LORA_TARGETS), help="Module names to adapt (repeatable)."),
+    learning_rate: float = typer.Option(3e-4, help="AdamW learning rate."),
+    adam_beta1: float = typer.Option(0.9), adam_beta2: float = typer.Option(0.999),
+    adam_weight_decay: float = typer.Option(1e-4), adam_epsilon: float = typer.Option(1e-8),
+    clip_range: float = typer.Option(1e-5, help="PPO clip range eps of the ratio."),
+    adv_clip: float = typer.Option(5.0, help="Advantages are clamped to [-x, x]."),
+    beta: float = typer.Option(1e-4, help="KL weight; 0 skips the reference pass."),
+    optimizer_steps: int = typer.Option(2, help="Optimizer steps per round (transitions split evenly)."),
+    micro_batch_size: int = typer.Option(0, help="0: replay the rollout's batches (first ratio exactly 1); N: split them."),
+    max_grad_norm: float = typer.Option(1.0, help="Gradient-norm clip."),
+    mixed_precision: str = typer.Option("no", help="no, fp16 or bf16 (accelerate autocast)."),
+    ema: bool = typer.Option(False, help="Keep an EMA of the LoRA weights (saved as adapter-ema/)."),
+    ema_decay: float = typer.Option(0.95, help="EMA decay per optimizer step."),
+    gradient_checkpointing: bool = typer.Option(False, help="Trade compute for activation memory."),
+    max_bad_steps: int = typer.Option(3, help="Stop after this many non-finite steps in a row."),
+    seed: int = typer.Option(0, help="Seed of the micro-batch order."),
+    device: str = _DEVICE, dtype: str = _DTYPE,
+) -> None:
+    """GRPO updates of a LoRA on the cached transitions (accelerate; multi-GPU with `accelerate launch`)."""
+    from tpkit import train as stage
+    from tpkit.config import TrainConfig
+    from tpkit.show import train_view
+
+    cfg = TrainConfig(
+        rollout=str(rollout_dir), advantages=str(advantages_dir), out=str(out), init_lora=str(init_lora) if init_lora else None,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=list(lora_target), learning_rate=learning_rate,
+        adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_weight_decay=adam_weight_decay, adam_epsilon=adam_epsilon,
+        clip_range=clip_range, adv_clip=adv_clip, beta=beta, optimizer_steps=optimizer_steps,
+        micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision, ema=ema,
+        ema_decay=ema_decay, gradient_checkpointing=gradient_checkpointing, max_bad_steps=max_bad_steps, seed=seed,
+        device=device, dtype=dtype,
+    )
+    manifest = stage.run(cfg)
+    if manifest:  # only the main process has one under accelerate launch
+        train_view(out)
+        _done(out)
+
+
+@app.command("run")
+def run_recipe(
+    recipe: Path = typer.Argument(..., help="A TOML recipe, e.g. pipelines/tiny-cpu.toml."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default: the recipe's out, else runs/NAME)."),
+    rounds: Optional[int] = typer.Option(None, help="Number of rounds (overrides the recipe)."),
+    set_: List[str] = typer.Option([], "--set", help="Override a recipe key: --set train.learning_rate=1e-3 (repeatable)."),
+) -> None:
+    """Rounds of rollout -> score -> advantages -> train from one recipe; rerun to continue."""
+    from tpkit import run as stage
+    from tpkit.config import load_recipe
+    from tpkit.show import rounds_view
+
+    r = load_recipe(recipe, set_, rounds=rounds, out=str(out) if out else None)
+    lines = stage.run(r)
+    rounds_view(lines)
+    _done(Path(r.out))
+
+
+@app.command()
 def inspect(path: Path = typer.Argument(..., help="A stage folder, a .tar shard or a .parquet file.")) -> None:
     """Readable summary of a stage folder, a shard or a Parquet file."""
     from tpkit.show import inspect as show_inspect
@@ -127,7 +191,7 @@ def rewards() -> None:
     from rich.table import Table
 
     from tpkit.rewards import BUILTIN
-    from tpkit.ui import console
+    from tpkit.ui import out as console
 
     t = Table(title="built-in rewards (or module:function for your own)", title_justify="left")
     t.add_column("name", style="bold")
@@ -185,7 +249,7 @@ def _error(text: str) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(text)}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(text)}", highlight=False)
 
 
 if __name__ == "__main__":

@@ -131,6 +131,55 @@ class AdvantagesConfig:
         return self
 
 
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+
+@dataclass
+class TrainConfig:
+    rollout: str = ""
+    advantages: str = ""
+    out: str = ""
+    init_lora: str | None = None  # adapter/ of a previous round; its sibling state/ continues the optimizer
+    lora_rank: int = 32
+    lora_alpha: int = 64
+    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    learning_rate: float = 3e-4
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_weight_decay: float = 1e-4
+    adam_epsilon: float = 1e-8
+    clip_range: float = 1e-5
+    adv_clip: float = 5.0
+    beta: float = 1e-4  # KL weight; 0 skips the reference pass
+    optimizer_steps: int = 2  # per round; the transitions are split evenly among them
+    micro_batch_size: int = 0  # 0: replay the rollout's own batches (first-step ratio exactly 1)
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "no"
+    ema: bool = False
+    ema_decay: float = 0.95
+    gradient_checkpointing: bool = False
+    max_bad_steps: int = 3  # stop after this many non-finite losses in a row
+    seed: int = 0
+    dtype: str = "auto"
+    device: str = "auto"
+
+    def validate(self) -> "TrainConfig":
+        _choice("mixed_precision", self.mixed_precision, PRECISIONS)
+        for name in ("lora_rank", "lora_alpha", "learning_rate", "optimizer_steps", "max_grad_norm", "adv_clip",
+                     "clip_range", "max_bad_steps"):
+            _positive(name, getattr(self, name))
+        _positive("beta", self.beta, allow_zero=True)
+        _positive("micro_batch_size", self.micro_batch_size, allow_zero=True)
+        if not 0 <= self.ema_decay < 1:
+            raise ConfigError(f"ema_decay = {self.ema_decay} is not in [0, 1)", "use e.g. 0.95")
+        unknown = set(self.lora_targets) - set(LORA_TARGETS)
+        if unknown:
+            raise ConfigError(f"unknown LoRA target(s) {', '.join(sorted(unknown))}", f"choose from {', '.join(LORA_TARGETS)}")
+        if self.init_lora:
+            self.init_lora = str(Path(self.init_lora).expanduser().resolve())
+        return self
+
+
 def parse_reward_specs(specs: list[str]) -> dict[str, float]:
     """['pickscore', 'ocr=0.5'] -> {'pickscore': 1.0, 'ocr': 0.5}."""
     out: dict[str, float] = {}
@@ -156,3 +205,128 @@ def field_names(cls: type) -> list[str]:
 
 def as_path(p: str | Path) -> Path:
     return Path(p).expanduser()
+
+
+# --------------------------------------------------------------------------------------------
+# Recipes: one TOML file for a whole run (`tpkit run`)
+# --------------------------------------------------------------------------------------------
+
+# Fields a recipe may not set: `tpkit run` wires them between stages and rounds.
+_WIRED = {
+    "rollout": {"out", "lora", "rank", "world_size", "seed"},
+    "score": {"rollout", "out", "rewards", "reward_options", "rank", "world_size"},
+    "advantages": {"scores", "out", "method"},
+    "train": {"rollout", "advantages", "out", "init_lora", "seed"},
+}
+_SECTIONS = {"rollout": RolloutConfig, "score": ScoreConfig, "advantages": AdvantagesConfig, "train": TrainConfig}
+_TOP = {"name", "rounds", "out", "method", "seed", "rewards", "reward_options"}
+
+
+@dataclass
+class Recipe:
+    name: str
+    rounds: int
+    out: str
+    method: str
+    seed: int
+    rollout: RolloutConfig
+    score: ScoreConfig
+    advantages: AdvantagesConfig
+    train: TrainConfig
+
+    def to_dict(self) -> dict:
+        """The resolved recipe, as saved in run.toml (None values dropped: TOML has no null)."""
+        def clean(d):
+            return {k: clean(v) if isinstance(v, dict) else (list(v) if isinstance(v, tuple) else v)
+                    for k, v in d.items() if v is not None}
+
+        d = {"name": self.name, "rounds": self.rounds, "out": self.out, "method": self.method, "seed": self.seed,
+             "rewards": dict(self.score.rewards), "reward_options": dict(self.score.reward_options)}
+        for section, cls in _SECTIONS.items():
+            d[section] = {k: v for k, v in asdict(getattr(self, section)).items() if k not in _WIRED[section]}
+        return clean(d)
+
+
+def _parse_value(text: str) -> Any:
+    """A --set value as TOML (numbers, booleans, arrays, quoted strings), else the bare string."""
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    """Apply one `--set key=value` (dotted keys: rollout.group_size=8, method=flow-grpo)."""
+    key, sep, value = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {assignment!r} is not key=value", "use e.g. --set train.learning_rate=1e-3")
+    parts = key.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {p} is not a section", "check the key against the recipe")
+    node[parts[-1]] = _parse_value(value.strip())
+
+
+def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None = None, out: str | None = None) -> Recipe:
+    """Parse, override, check every key, resolve paths (relative to the recipe's folder) and validate."""
+    import tomllib
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe {path} does not exist", "pass a TOML recipe, e.g. pipelines/tiny-cpu.toml")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})", "fix the recipe's syntax") from None
+    for o in overrides:
+        apply_override(data, o)
+    unknown = set(data) - _TOP - set(_SECTIONS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r}",
+                          f"top-level keys are {', '.join(sorted(_TOP))} and sections [{'], ['.join(_SECTIONS)}]")
+    sections = {}
+    for name, cls in _SECTIONS.items():
+        body = data.get(name, {})
+        if not isinstance(body, dict):
+            raise ConfigError(f"{path}: {name} must be a section", f"write [{name}] with its keys below it")
+        allowed = set(field_names(cls)) - _WIRED[name]
+        bad = set(body) - allowed
+        if bad:
+            key = sorted(bad)[0]
+            hint = ("set by `tpkit run` itself" if key in _WIRED[name] else f"valid keys: {', '.join(sorted(allowed))}")
+            raise ConfigError(f"{path}: unknown key {name}.{key}", hint)
+        try:
+            sections[name] = cls(**body)
+        except TypeError as e:
+            raise ConfigError(f"{path}: [{name}]: {e}", "check the section's keys and values") from None
+    method = data.get("method", "tp-grpo")
+    _choice("method", method, METHODS)
+    prompts = sections["rollout"].prompts
+    if prompts and not Path(prompts).is_absolute():
+        sections["rollout"].prompts = str((path.parent / prompts).resolve())
+    rewards = data.get("rewards", {"jpeg-compressibility": 1.0})
+    if not isinstance(rewards, dict) or not all(isinstance(v, (int, float)) for v in rewards.values()):
+        raise ConfigError(f"{path}: [rewards] must map reward names to weights", 'e.g. [rewards] then "jpeg-compressibility" = 1.0')
+    sections["score"].rewards = {k: float(v) for k, v in rewards.items()}
+    sections["score"].reward_options = data.get("reward_options", {})
+    if "branches" not in data.get("score", {}):
+        sections["score"].branches = "all" if method == "tp-grpo" else "final"  # flow-grpo needs only R_K
+    sections["advantages"].method = method
+    recipe = Recipe(
+        name=str(data.get("name", path.stem)), rounds=int(rounds if rounds is not None else data.get("rounds", 1)),
+        out=str(out or data.get("out") or Path("runs") / path.stem), method=method, seed=int(data.get("seed", 0)),
+        **sections,
+    )
+    _positive("rounds", recipe.rounds)
+    recipe.rollout.prompts = recipe.rollout.prompts or ""
+    recipe.rollout.validate()
+    recipe.score.validate()
+    recipe.advantages.validate()
+    recipe.train.validate()
+    if method == "tp-grpo" and recipe.score.branches != "all":
+        raise ConfigError("method tp-grpo needs every branch scored", "set score.branches = \"all\" (or method = \"flow-grpo\")")
+    return recipe

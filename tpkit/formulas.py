@@ -233,7 +233,9 @@ def group_advantages(
         rows = groups == g
         rg = r[rows]
         s = rg.std(axis=0, keepdims=True) if std == "group" else global_std
-        out[rows] = (rg - rg.mean(axis=0, keepdims=True)) / (s + eps)
+        centred = rg - rg.mean(axis=0, keepdims=True)
+        centred[:, (rg == rg[:1]).all(axis=0)] = 0.0  # identical rewards: exactly 0, not rounding noise / 1e-4
+        out[rows] = centred / (s + eps)
     return out
 
 

@@ -33,6 +33,7 @@ PROMPT_JSON, EMBEDS = "prompt.json", "embeds.safetensors"
 TRAJ_JSON, TENSORS, FINAL_PNG = "meta.json", "latents.safetensors", "final.png"
 EMBED_KEYS = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
 TENSOR_KEYS = ("states", "velocities", "log_probs", "final_latent")
+INDEX_KEY = "_index"  # last member of every shard: the prompt and trajectory ids it holds
 
 # Columns every scores table must have (anything else is carried along); advantages output columns.
 SCORE_KEY_COLUMNS = ("trajectory_id", "prompt_id", "branch", "reward")
@@ -198,6 +199,8 @@ class ShardWriter:
     def __init__(self) -> None:
         self._buf = io.BytesIO()
         self._tar = tarfile.open(fileobj=self._buf, mode="w", format=tarfile.USTAR_FORMAT)
+        self._prompts: list[str] = []
+        self._trajs: list[str] = []
 
     def _add(self, key: str, ext: str, data: bytes) -> None:
         if not _SAFE_KEY.match(key):
@@ -211,14 +214,19 @@ class ShardWriter:
                 "schema_version": SCHEMA_VERSION}
         self._add(rec.prompt_id, PROMPT_JSON, json.dumps(body, sort_keys=True).encode())
         self._add(rec.prompt_id, EMBEDS, _tensors_to_bytes(rec.embeds))
+        self._prompts.append(rec.prompt_id)
 
     def add_trajectory(self, rec: TrajectoryRecord) -> None:
         key = rec.trajectory_id
         self._add(key, TRAJ_JSON, json.dumps(rec.meta, sort_keys=True).encode())
         self._add(key, TENSORS, _tensors_to_bytes(rec.tensors))
         self._add(key, FINAL_PNG, rec.final_png)
+        self._trajs.append(key)
 
     def write(self, path: Path) -> None:
+        # Last member: what the shard holds. A tar cut at a member boundary still reads cleanly,
+        # so readers require this index and check it against what they found.
+        self._add(INDEX_KEY, "json", json.dumps({"prompts": self._prompts, "trajectories": self._trajs}).encode())
         self._tar.close()
         atomic_write(path, self._buf.getvalue())
 
@@ -265,6 +273,15 @@ def read_shard(path: Path, load_tensors: bool = True) -> tuple[dict[str, PromptR
                                  "rerun `tpkit rollout` to rewrite the shard")
             tensors = _tensors_from_bytes(g[TENSORS], where) if load_tensors else {}
             trajectories.append(TrajectoryRecord(meta, tensors, g[FINAL_PNG]))
+    index = groups.get(INDEX_KEY, {}).get("json")
+    if index is None:
+        raise InputError(f"{path}: truncated shard (no {INDEX_KEY}.json member at its end)",
+                         "delete it and rerun `tpkit rollout` with the same options to rewrite it")
+    index = _json(index, f"{path}:{INDEX_KEY}")
+    if sorted(index.get("prompts", [])) != sorted(prompts) or \
+            sorted(index.get("trajectories", [])) != sorted(t.trajectory_id for t in trajectories):
+        raise InputError(f"{path}: its members do not match its index (damaged or edited shard)",
+                         "delete it and rerun `tpkit rollout` with the same options to rewrite it")
     for t in trajectories:
         if t.meta["prompt_id"] not in prompts:
             raise InputError(f"{path}: trajectory {t.trajectory_id} has no prompt sample", "rerun `tpkit rollout`")
@@ -343,23 +360,23 @@ def load_prompts(path: Path) -> list[Prompt]:
     if path.suffix not in (".txt", ".jsonl"):
         raise InputError(f"prompts file {path} is neither .txt nor .jsonl", "use a .txt (one prompt a line) or .jsonl file")
     try:
-        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        lines = [(n, ln) for n, ln in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if ln.strip()]
     except UnicodeDecodeError:
         raise InputError(f"prompts file {path} is not UTF-8 text", "save it as UTF-8") from None
     prompts = []
-    for i, line in enumerate(lines):
+    for i, (lineno, line) in enumerate(lines):
         if path.suffix == ".txt":
             obj = {"prompt": line.strip()}
         else:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise InputError(f"{path}: line {i + 1} is not JSON ({e.msg})", "write one JSON object per line") from None
+                raise InputError(f"{path}: line {lineno} is not JSON ({e.msg})", "write one JSON object per line") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
-                raise InputError(f"{path}: line {i + 1} has no \"prompt\" string", 'each line needs {"prompt": "...", ...}')
+                raise InputError(f"{path}: line {lineno} has no \"prompt\" string", 'each line needs {"prompt": "...", ...}')
         pid = str(obj.get("prompt_id", obj.get("id", f"p{i:05d}")))
         if not _SAFE_KEY.match(pid):
-            raise InputError(f"{path}: line {i + 1}: prompt id {pid!r} may only use letters, digits, _ and -", "rename the id")
+            raise InputError(f"{path}: line {lineno}: prompt id {pid!r} may only use letters, digits, _ and -", "rename the id")
         prompts.append(Prompt(pid, obj["prompt"], obj))
     if not prompts:
         raise InputError(f"prompts file {path} is empty", "add prompts, one per line (.txt) or one JSON object per line (.jsonl)")

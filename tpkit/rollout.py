@@ -75,8 +75,13 @@ def sample(model, cfg: RolloutConfig, sigmas: list[float], start: int, embeds: d
     return Sampled(torch.stack(states, 1).cpu(), torch.stack(vels, 1).cpu(), torch.stack(lps, 1).cpu(), x.cpu())
 
 
-def trajectory_meta(cfg: RolloutConfig, prompt: Prompt, member: int, seed: int, start: int, sigmas: list[float]) -> dict:
+def trajectory_meta(cfg: RolloutConfig, prompt: Prompt, member: int, seed: int, start: int, sigmas: list[float],
+                    batch: str, slot: int) -> dict:
+    """Everything needed to reproduce (and train on) one trajectory. `batch`/`slot` record which
+    transformer batch it was sampled in: train replays the same batches, so that its first
+    log-probs match the stored ones bit for bit (matmuls are not batch-invariant)."""
     return {
+        "rollout_batch": batch, "batch_slot": slot,
         "trajectory_id": f"{prompt.prompt_id}-m{member:03d}", "prompt_id": prompt.prompt_id, "prompt": prompt.prompt,
         "prompt_metadata": prompt.metadata, "member": member, "seed": seed, "base_seed": cfg.seed,
         "model": cfg.model, "lora": cfg.lora, "sampler": cfg.sampler, "noise_level": cfg.noise_level,
@@ -86,7 +91,7 @@ def trajectory_meta(cfg: RolloutConfig, prompt: Prompt, member: int, seed: int, 
 
 
 def write_shard(model, cfg: RolloutConfig, prompts: list[Prompt], sigmas: list[float], start: int, path: Path,
-                advance=lambda n: None) -> dict:
+                shard: int, advance=lambda n: None) -> dict:
     """Sample every member of these prompts and write them as one shard. Returns its stats."""
     t0 = time.perf_counter()
     emb = model.encode([p.prompt for p in prompts], cfg.max_sequence_length)
@@ -109,8 +114,8 @@ def write_shard(model, cfg: RolloutConfig, prompts: list[Prompt], sigmas: list[f
         for n, (_, p, m) in enumerate(batch):
             tensors = {"states": out.states[n], "velocities": out.velocities[n], "log_probs": out.log_probs[n],
                        "final_latent": out.final[n]}
-            writer.add_trajectory(TrajectoryRecord(trajectory_meta(cfg, p, m, seeds[n], start, sigmas), tensors,
-                                                   _png(images[n])))
+            meta = trajectory_meta(cfg, p, m, seeds[n], start, sigmas, f"{shard:05d}-{b // cfg.batch_size:04d}", n)
+            writer.add_trajectory(TrajectoryRecord(meta, tensors, _png(images[n])))
         advance(len(batch))
     t0 = time.perf_counter()
     writer.write(path)
@@ -153,7 +158,7 @@ def run(cfg: RolloutConfig) -> dict | None:
         with track(sum(len(shards[i]) for i in todo) * cfg.group_size, "rollout") as advance:
             for i in todo:
                 path = out / layout.shard_name(cfg.rank, i)
-                stats = write_shard(model, cfg, shards[i], sigmas, start, path, advance)
+                stats = write_shard(model, cfg, shards[i], sigmas, start, path, i, advance)
                 layout.atomic_write_json(path.with_name(layout.stats_name(path)), stats)
 
     # 4. The last rank to finish writes the manifest, summing every shard's stats.

@@ -22,7 +22,7 @@ from tpkit.config import TINY_MODEL
 from tpkit.errors import ModelError
 
 TINY_RESOLUTION = 64
-LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' file name inside an adapter folder
 _TINY_VERSION = 1  # bump when the tiny architecture changes, so old caches are not reused
 
 
@@ -181,13 +181,16 @@ class SD3:
         return {k: v.to(self.dtype) for k, v in out.items()}
 
     # ---- velocity -----------------------------------------------------------------------
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, embeds: dict[str, torch.Tensor], guidance: float) -> torch.Tensor:
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, embeds: dict[str, torch.Tensor], guidance: float,
+                 transformer=None) -> torch.Tensor:
         """v = v_uncond + w (v_text - v_uncond), float32 [B, C, h, w].
 
         x: [B, C, h, w]; sigma: [B] (per-sample, so branches at different steps share a batch);
         embeds: EMBED_KEYS -> [B, ...]. CFG runs as one doubled batch; the transformer's timestep
-        input is 1000 sigma. Gradients flow when called outside no_grad (training).
+        input is 1000 sigma. Gradients flow when called outside no_grad (training), where
+        `transformer` may be the accelerate-wrapped (DDP) module.
         """
+        transformer = transformer or self.transformer
         x = x.to(self.device)
         sigma = sigma.to(self.device, torch.float32)
         if guidance > 1.0:
@@ -197,7 +200,7 @@ class SD3:
             t = torch.cat([sigma, sigma])
         else:
             hidden, enc, pooled, t = x, embeds["prompt_embeds"], embeds["pooled_prompt_embeds"], sigma
-        out = self.transformer(
+        out = transformer(
             hidden_states=hidden.to(self.dtype), timestep=t * 1000.0, encoder_hidden_states=enc.to(self.device, self.dtype),
             pooled_projections=pooled.to(self.device, self.dtype), return_dict=False,
         )[0].float()
@@ -218,8 +221,10 @@ class SD3:
 
 
 def load(model: str, device: str = "auto", dtype: str = "auto", text_encoders: bool = True,
-         lora: str | None = None) -> SD3:
-    """Load an SD3 pipeline by hub id, local folder or `tiny-sd3`, optionally with a LoRA adapter."""
+         lora: str | None = None, vae: bool = True) -> SD3:
+    """Load an SD3 pipeline by hub id, local folder or `tiny-sd3`, optionally with a LoRA adapter.
+
+    Stages load only what they use: score skips the text encoders, train also the VAE."""
     _quiet_libraries()
     from diffusers import StableDiffusion3Pipeline
 
@@ -228,6 +233,8 @@ def load(model: str, device: str = "auto", dtype: str = "auto", text_encoders: b
     path = resolve_model(model)
     skip = {} if text_encoders else {k: None for k in (
         "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")}
+    if not vae:
+        skip["vae"] = None
     try:
         pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dt, **skip)
     except (OSError, ValueError) as e:
@@ -238,7 +245,7 @@ def load(model: str, device: str = "auto", dtype: str = "auto", text_encoders: b
             f"`--model {TINY_MODEL}` needs nothing") from None
     pipe.to(dev)
     pipe.set_progress_bar_config(disable=True)
-    for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+    for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):  # frozen
         if m is not None:
             m.eval().requires_grad_(False)
     if lora:
@@ -247,7 +254,7 @@ def load(model: str, device: str = "auto", dtype: str = "auto", text_encoders: b
 
 
 def load_lora(pipe, lora: str) -> None:
-    if not (Path(lora) / "pytorch_lora_weights.safetensors").is_file():
+    if not (Path(lora) / LORA_WEIGHTS).is_file():
         raise ModelError(f"{lora}: no pytorch_lora_weights.safetensors there",
                          "pass the adapter/ folder written by `tpkit train`")
     pipe.load_lora_weights(lora)
@@ -260,3 +267,60 @@ def png_bytes(image: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(image).save(buf, format="PNG")
     return buf.getvalue()
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA training
+# --------------------------------------------------------------------------------------------
+
+
+def add_trainable_lora(transformer, rank: int, alpha: int, targets: list[str] | tuple[str, ...], init: str | None = None):
+    """Add a peft LoRA adapter ("default") to the frozen transformer; trainable params in float32.
+
+    `init`: an adapter folder written by `save_lora` (a previous round) to start from. Returns
+    the config, which `save_lora` stores so diffusers restores the same alpha.
+    """
+    from peft import LoraConfig
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets))
+    transformer.add_adapter(config)
+    if init:
+        path = Path(init) / LORA_WEIGHTS
+        if not path.is_file():
+            raise ModelError(f"{init}: no {LORA_WEIGHTS} there", "pass the adapter/ folder written by `tpkit train`")
+        state = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
+        result = set_peft_model_state_dict(transformer, state, adapter_name="default")
+        if getattr(result, "unexpected_keys", None):
+            raise ModelError(f"{init}: adapter does not match the LoRA settings ({result.unexpected_keys[0]} ...)",
+                             "use the same lora rank and target modules as the run that wrote it")
+    for p in transformer.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return config
+
+
+def lora_state(transformer) -> dict[str, torch.Tensor]:
+    from peft.utils import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(transformer)
+
+
+def save_lora(transformer_or_state, config, folder: Path) -> None:
+    """Save a diffusers-loadable adapter (pipe.load_lora_weights(folder)) atomically."""
+    from diffusers import StableDiffusion3Pipeline
+
+    state = transformer_or_state if isinstance(transformer_or_state, dict) else lora_state(transformer_or_state)
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        StableDiffusion3Pipeline.save_lora_weights(
+            tmp, transformer_lora_layers={k: v.detach().cpu() for k, v in state.items()},
+            transformer_lora_adapter_metadata=config.to_dict())
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

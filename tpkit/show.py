@@ -9,7 +9,7 @@ from rich.table import Table
 
 from tpkit import layout
 from tpkit.errors import InputError
-from tpkit.ui import console
+from tpkit.ui import out as console
 
 
 def _kv_table(title: str, items: dict) -> Table:
@@ -121,6 +121,30 @@ def shard_view(path: Path) -> None:
     console.print(t)
 
 
+def train_view(folder: Path) -> None:
+    """metrics.jsonl of a train folder, one row per optimizer step."""
+    lines = [json.loads(x) for x in (Path(folder) / layout.METRICS_FILE).read_text().splitlines() if x.strip()]
+    t = Table(title=f"train: {len(lines)} optimizer steps", title_justify="left")
+    cols = ("step", "loss", "policy_loss", "kl_loss", "ratio_mean", "clipfrac", "approx_kl", "grad_norm", "samples")
+    for c in cols:
+        t.add_column(c, justify="right")
+    for m in lines:
+        t.add_row(*[str(m[c]) if isinstance(m[c], int) else _fmt(m[c]) for c in cols])
+    console.print(t)
+
+
+def rounds_view(lines: list[dict]) -> None:
+    """rounds.jsonl: final reward and turning points per round."""
+    t = Table(title="rounds", title_justify="left")
+    for c in ("round", "reward mean ± s.e.", "std", "n", "turning-point rate", "transformer calls", "seconds"):
+        t.add_column(c, justify="right")
+    for x in lines:
+        t.add_row(str(x["round"]), f"{_fmt(x['reward_mean'])} ± {_fmt(x['reward_stderr'])}", _fmt(x["reward_std"]),
+                  str(x["n"]), f"{x['turning_point_rate']:.1%}", str(x["transformer_calls"]),
+                  f"{sum(x['seconds'].values()):.1f}")
+    console.print(t)
+
+
 def inspect(path: Path) -> None:
     """Summarise a stage folder, a shard or a Parquet file."""
     path = Path(path)
@@ -142,6 +166,8 @@ def inspect(path: Path) -> None:
             scores_view(layout.read_parquet_tables(path, "score"))
         elif stage == "advantages":
             advantages_view(manifest["summary"])
+        elif stage == "train":
+            train_view(path)
         manifest_summary(manifest)
     elif path.suffix == ".tar":
         shard_view(path)

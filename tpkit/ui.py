@@ -1,4 +1,7 @@
-"""Progress bars and tables on stderr (Rich). Library stages report progress through `track`."""
+"""Terminal output (Rich): progress and messages on stderr, tables and results on stdout.
+
+Library stages report progress through `track`; `tpkit inspect ... > file` captures only results.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +12,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 console = Console(stderr=True)
+out = Console()
 
 
 @contextlib.contextmanager
 def track(total: int, description: str) -> Iterator[Callable[[int], None]]:
-    """A progress bar; yields advance(n)."""
+    """A progress bar; yields advance(n). Nothing is drawn for empty work."""
+    if total <= 0:
+        yield lambda n=1: None
+        return
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:

@@ -1,0 +1,228 @@
+"""The `tpkit` command as a user runs it: a subprocess, its exit code, stdout and stderr.
+
+Error messages must be short (one or two lines plus at most one more), name the problem, exit
+non-zero and show no traceback unless --debug is given. Subprocesses get no $COLUMNS, as when a
+user's output goes to a pipe or a log file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+TPKIT = Path(sys.executable).with_name("tpkit")
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env.update(extra)
+    return env
+
+
+def tpkit(*args, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [str(TPKIT)] if TPKIT.is_file() else [sys.executable, "-m", "tpkit"]
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
+                          env=env or _env())
+
+
+def flat(text: str) -> str:
+    """Whitespace-normalised lower-case text (Rich may wrap long lines)."""
+    return " ".join(text.split()).lower()
+
+
+def write_parquet(path: Path, columns: dict) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Help and a fast start
+# ---------------------------------------------------------------------------------------------
+
+HEAVY_CHECK = """
+import sys
+from tpkit.cli import main
+for argv in {argvs!r}:
+    try:
+        main(argv)
+    except SystemExit as e:
+        assert e.code in (0, None), (argv, e.code)
+print("HEAVY=" + ",".join(m for m in ("torch", "diffusers", "transformers") if m in sys.modules))
+"""
+
+
+def _heavy_modules_after(argvs: list[list[str]]) -> tuple[subprocess.CompletedProcess, str]:
+    p = subprocess.run([sys.executable, "-c", HEAVY_CHECK.format(argvs=argvs)], capture_output=True, text=True,
+                       timeout=120, env=_env())
+    assert p.returncode == 0, p.stderr
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("HEAVY=")][-1]
+    return p, line[len("HEAVY="):]
+
+
+def test_help_does_not_import_torch():
+    p, heavy = _heavy_modules_after([["--help"]])
+    assert heavy == "", f"tpkit --help imported {heavy}"
+    out = flat(p.stdout)
+    for cmd in ("rollout", "score", "advantages", "inspect", "rewards"):
+        assert cmd in out
+
+
+def test_stage_help_does_not_import_torch():
+    _, heavy = _heavy_modules_after([[c, "--help"] for c in ("rollout", "score", "advantages", "inspect", "rewards")])
+    assert heavy == "", f"a stage's --help imported {heavy}"
+
+
+@pytest.mark.parametrize("command, options", [
+    ("rollout", ["--prompts", "--out", "--group-size", "--sampler", "--window-size", "--window-range"]),
+    ("score", ["--out", "--reward", "--branches"]),
+    ("advantages", ["--out", "--method", "--balance", "--std"]),
+    ("inspect", ["path"]),
+    ("rewards", []),
+])
+def test_stage_help(command, options):
+    p = tpkit(command, "--help")
+    assert p.returncode == 0, p.stderr
+    out = flat(p.stdout)
+    assert "usage" in out and command in out
+    for opt in options:
+        assert opt in out, opt
+
+
+def test_no_arguments_shows_help_not_a_traceback():
+    p = tpkit()
+    assert "Traceback" not in p.stdout + p.stderr
+    assert "usage" in flat(p.stdout + p.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs: non-zero exit, a short message naming the problem, no traceback
+# ---------------------------------------------------------------------------------------------
+
+
+def _nan_reward_module(folder: Path) -> str:
+    (folder / "tpk_cli_nan_reward.py").write_text(textwrap.dedent("""
+        def fn(images, prompts, metadata):
+            return [float("nan")] * len(images)
+    """))
+    return "tpk_cli_nan_reward:fn"
+
+
+def _case(name: str, tmp: Path, run: Path, prompts: Path) -> tuple[list, dict | None, list[str]]:
+    """(arguments, environment, words the message must contain) of each bad input."""
+    if name == "missing-prompts":
+        return ["rollout", "--prompts", tmp / "nope.txt", "--out", tmp / "out"], None, ["nope.txt", "does not exist"]
+    if name == "empty-prompts":
+        (tmp / "empty.txt").write_text("\n   \n")
+        return ["rollout", "--prompts", tmp / "empty.txt", "--out", tmp / "out"], None, ["empty.txt", "empty"]
+    if name == "unknown-reward":
+        return ["score", run / "rollout", "--out", tmp / "score", "--reward", "nope"], None, ["unknown reward", "nope"]
+    if name == "unknown-model":
+        return (["rollout", "--prompts", prompts, "--model", "/nonexistent/folder", "--out", tmp / "out"], None,
+                ["/nonexistent/folder", "model"])
+    if name == "missing-columns":
+        f = write_parquet(tmp / "s.parquet", {"trajectory_id": ["a"] * 3, "prompt_id": ["p"] * 3, "branch": [0, 1, 2]})
+        return ["advantages", f, "--out", tmp / "adv"], None, ["column", "reward"]
+    if name == "branch-gap":
+        f = write_parquet(tmp / "s.parquet", {
+            "trajectory_id": ["t-ok"] * 4 + ["t-gap"] * 3, "prompt_id": ["p"] * 7,
+            "branch": [0, 1, 2, 3, 0, 1, 3], "reward": [1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 4.0]})
+        return ["advantages", f, "--out", tmp / "adv"], None, ["t-gap", "branches"]
+    if name == "nan-in-scores":
+        f = write_parquet(tmp / "s.parquet", {"trajectory_id": ["t-nan"] * 3, "prompt_id": ["p"] * 3,
+                                              "branch": [0, 1, 2], "reward": [1.0, math.nan, 3.0]})
+        return ["advantages", f, "--out", tmp / "adv"], None, ["nan", "t-nan"]
+    if name == "nan-from-reward":
+        spec = _nan_reward_module(tmp)
+        return (["score", run / "rollout", "--out", tmp / "score", "--reward", spec, "--branches", "final"],
+                _env(PYTHONPATH=str(tmp)), ["nan", "p00000-m000"])
+    if name == "bad-sampler":
+        return (["rollout", "--prompts", prompts, "--sampler", "euler", "--out", tmp / "out"], None,
+                ["sampler", "euler"])
+    if name == "window-does-not-fit":
+        return (["rollout", "--prompts", prompts, "--steps", "5", "--out", tmp / "out"], None,
+                ["window", "does not fit"])
+    raise AssertionError(name)
+
+
+BAD_INPUTS = ["missing-prompts", "empty-prompts", "unknown-reward", "unknown-model", "missing-columns", "branch-gap",
+              "nan-in-scores", "nan-from-reward", "bad-sampler", "window-does-not-fit"]
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_gives_a_short_message(name, tmp_path, tiny_run, two_prompts):
+    args, env, words = _case(name, tmp_path, tiny_run, two_prompts)
+    p = tpkit(*args, env=env)
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout
+    msg = flat(p.stderr)
+    assert "error" in msg
+    for w in words:
+        assert w.lower() in msg, (w, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) <= 3, f"{len(lines)} lines on stderr:\n{p.stderr}"
+
+
+def test_bad_input_writes_nothing(tmp_path, tiny_run):
+    args, env, _ = _case("unknown-reward", tmp_path, tiny_run, Path("unused"))
+    p = tpkit(*args, env=env)
+    assert p.returncode != 0
+    assert not (tmp_path / "score").exists() or not any((tmp_path / "score").iterdir())
+
+
+@pytest.mark.parametrize("name", ["bad-sampler", "missing-prompts"])
+def test_debug_shows_the_traceback(name, tmp_path, tiny_run, two_prompts):
+    args, env, words = _case(name, tmp_path, tiny_run, two_prompts)
+    p = tpkit(*args, "--debug", env=env)
+    assert p.returncode != 0
+    assert "Traceback" in p.stderr
+    assert any(e in p.stderr for e in ("ConfigError", "InputError"))
+    for w in words:
+        assert w.lower() in flat(p.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect and rewards
+# ---------------------------------------------------------------------------------------------
+
+INSPECT = {
+    "rollout-folder": ("rollout", ["rollout stage", "trajectories", "log-prob", "window_start"]),
+    "shard": ("rollout/shard-r000-00000.tar", ["1 prompts", "4 trajectories", "log-prob", "states"]),
+    "score-folder": ("score", ["score stage", "rewards per branch", "8 trajectories", "reward_calls"]),
+    "scores-file": ("score/scores-r000-00001.parquet", ["40 rows", "rewards per branch", "4 trajectories"]),
+    "advantages-folder": ("advantages", ["advantages stage", "turning points", "k = 9"]),
+    "advantages-file": ("advantages/advantages.parquet", ["72 rows", "turning points"]),
+}
+
+
+@pytest.mark.parametrize("what", list(INSPECT))
+def test_inspect(what, tiny_run):
+    rel, words = INSPECT[what]
+    p = tpkit("inspect", tiny_run / rel)
+    assert p.returncode == 0, p.stderr
+    out = flat(p.stdout + p.stderr)
+    assert "traceback" not in out
+    for w in words:
+        assert w in out, (w, out[:2000])
+
+
+def test_inspect_of_a_missing_path_is_an_error(tmp_path):
+    p = tpkit("inspect", tmp_path / "nothing-here")
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr
+    assert "nothing-here" in flat(p.stderr)
+
+
+def test_rewards_lists_the_builtins():
+    p = tpkit("rewards")
+    assert p.returncode == 0, p.stderr
+    out = flat(p.stdout + p.stderr)
+    assert "jpeg-compressibility" in out and "jpeg-incompressibility" in out

@@ -1,0 +1,99 @@
+"""report.png of a run: reward per round, turning-point rate per step, reward along the
+trajectory (mean R_k per branch), and final images of the first and the latest round."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+
+from tpkit import layout
+
+REPORT = "report.png"
+GRID_IMAGES = 8
+
+
+def final_images(rollout_dir: Path, n: int = GRID_IMAGES) -> list[np.ndarray]:
+    """The first n trajectories' final images (by trajectory id, so rounds line up)."""
+    from PIL import Image
+
+    images = []
+    for shard in layout.list_shards(rollout_dir):
+        _, trajs = layout.read_shard(shard, load_tensors=False)
+        for t in sorted(trajs, key=lambda t: t.trajectory_id):
+            images.append(np.asarray(Image.open(io.BytesIO(t.final_png)).convert("RGB")))
+            if len(images) == n:
+                return images
+    return images
+
+
+def reward_by_branch(score_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    """(branch k, mean R_k) of a scores folder, or None if only R_K was scored."""
+    table = layout.read_parquet_tables(score_dir, "score")
+    k = np.asarray(table["branch"].to_pylist())
+    r = np.asarray(table["reward"].to_pylist(), dtype=float)
+    ks = np.unique(k)
+    if len(ks) < 2:
+        return None
+    return ks, np.array([r[k == b].mean() for b in ks])
+
+
+def write(run_dir: Path, lines: list[dict]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not lines:
+        return run_dir / REPORT
+    first, last = lines[0]["round"], lines[-1]["round"]
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
+
+    # Reward per round: mean ± std (bars) and ± standard error (shaded).
+    rounds = [x["round"] for x in lines]
+    mean = np.array([x["reward_mean"] for x in lines])
+    std = np.array([x["reward_std"] for x in lines])
+    se = np.array([x["reward_stderr"] for x in lines])
+    a = ax[0, 0]
+    a.errorbar(rounds, mean, yerr=std, fmt="o-", capsize=3, label="mean ± std")
+    a.fill_between(rounds, mean - se, mean + se, alpha=0.3, label="± s.e.")
+    a.set(title="final reward R_K per round", xlabel="round", ylabel="reward")
+    a.legend()
+
+    # Turning-point rate per step, first vs latest round.
+    a = ax[0, 1]
+    for x in {first: lines[0], last: lines[-1]}.values():
+        rates = x["tp_rate_per_step"]
+        a.plot(range(1, len(rates) + 1), rates, "o-", label=f"round {x['round']}")
+    a.set(title="turning-point rate per step", xlabel="step k", ylabel="fraction of trajectories")
+    a.legend()
+
+    # Reward along the trajectory: mean R_k per window state.
+    a = ax[1, 0]
+    for r in sorted({first, last}):
+        curve = reward_by_branch(layout.round_dir(run_dir, r) / "score")
+        if curve is not None:
+            a.plot(*curve, "o-", label=f"round {r}")
+    a.set(title="reward along the trajectory (mean R_k of the ODE branch from s_k)", xlabel="branch k",
+          ylabel="reward")
+    if a.lines:
+        a.legend()
+
+    # Final images: first round (top row) vs latest round (bottom row), same prompts and members.
+    a = ax[1, 1]
+    rows = [final_images(layout.round_dir(run_dir, r) / "rollout") for r in sorted({first, last})]
+    rows = [r for r in rows if r]
+    if rows:
+        width = min(len(r) for r in rows)
+        a.imshow(np.concatenate([np.concatenate(r[:width], axis=1) for r in rows], axis=0))
+    a.set(title=f"final images: round {first} (top) vs round {last} (bottom)")
+    a.axis("off")
+
+    fig.suptitle(f"{run_dir.name}: {len(lines)} rounds")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    layout.atomic_write(run_dir / REPORT, buf.getvalue())
+    return run_dir / REPORT

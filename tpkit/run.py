@@ -1,0 +1,148 @@
+"""`tpkit run`: rounds of rollout -> score -> advantages -> train from one recipe.
+
+Round r samples with round r-1's adapter, trains from it (continuing its optimizer and EMA
+state) and writes everything under round-NNNN/. A stage whose manifest exists is kept, so the
+same command continues a stopped run; rounds.jsonl and report.png are rebuilt after each round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from tpkit import layout
+from tpkit.config import Recipe
+from tpkit.errors import ConfigError
+
+RUN_TOML, ROUND_JSON = "run.toml", "round.json"
+
+
+def stage_dirs(run_dir: Path, r: int) -> dict[str, Path]:
+    base = layout.round_dir(run_dir, r)
+    return {s: base / s for s in ("rollout", "score", "advantages", "train")}
+
+
+def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
+    """A continued run must use the recipe it started with (only `rounds` may change)."""
+    import tomllib
+
+    import tomli_w
+
+    saved_path = run_dir / RUN_TOML
+    current = recipe.to_dict()
+    if saved_path.is_file():
+        saved = tomllib.loads(saved_path.read_text())
+        a, b = dict(saved, rounds=0), dict(current, rounds=0)
+        if a != b:
+            diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            raise ConfigError(f"{run_dir} was started with a different recipe (differs in: {', '.join(diff)})",
+                              "continue with the same recipe and --set options, or pass a new --out")
+    layout.atomic_write(saved_path, tomli_w.dumps(current).encode())
+
+
+def _timed(fn, cfg) -> tuple[dict | None, float]:
+    t0 = time.perf_counter()
+    result = fn(cfg)
+    return result, time.perf_counter() - t0
+
+
+def run_round(recipe: Recipe, run_dir: Path, r: int) -> dict:
+    """Run (or finish) round r; returns its summary line."""
+    from tpkit import advantages, rollout, score, train
+    from tpkit.ui import console
+
+    d = stage_dirs(run_dir, r)
+    prev_adapter = stage_dirs(run_dir, r - 1)["train"] / train.ADAPTER if r > 0 else None
+    seconds = {}
+
+    def done(stage: str) -> bool:
+        return (d[stage] / layout.MANIFEST).is_file()
+
+    # 1. Rollout with the previous round's policy; a fresh seed every round.
+    if not done("rollout"):
+        cfg = dataclasses.replace(recipe.rollout, out=str(d["rollout"]), seed=recipe.seed + r,
+                                  lora=str(prev_adapter) if prev_adapter else None)
+        _, seconds["rollout"] = _timed(rollout.run, cfg)
+    # 2. Score every branch (or only R_K for flow-grpo).
+    if not done("score"):
+        cfg = dataclasses.replace(recipe.score, rollout=str(d["rollout"]), out=str(d["score"]))
+        _, seconds["score"] = _timed(score.run, cfg)
+    # 3. Advantages.
+    if not done("advantages"):
+        cfg = dataclasses.replace(recipe.advantages, scores=str(d["score"]), out=str(d["advantages"]))
+        _, seconds["advantages"] = _timed(advantages.run, cfg)
+    # 4. Train, continuing the previous round's adapter and optimizer state.
+    if not done("train"):
+        cfg = dataclasses.replace(recipe.train, rollout=str(d["rollout"]), advantages=str(d["advantages"]),
+                                  out=str(d["train"]), seed=recipe.seed + r,
+                                  init_lora=str(prev_adapter) if prev_adapter else None)
+        _, seconds["train"] = _timed(train.run, cfg)
+
+    line = round_summary(run_dir, r, seconds)
+    layout.atomic_write_json(layout.round_dir(run_dir, r) / ROUND_JSON, line)
+    console.print(f"round {r}: final reward {line['reward_mean']:.4g} ± {line['reward_std']:.4g} "
+                  f"(n = {line['n']}), turning-point rate {line['turning_point_rate']:.1%}")
+    return line
+
+
+def round_summary(run_dir: Path, r: int, seconds: dict) -> dict:
+    """One rounds.jsonl line from the round's manifests."""
+    d = stage_dirs(run_dir, r)
+    m = {s: json.loads((p / layout.MANIFEST).read_text()) for s, p in d.items()}
+    summ = m["advantages"]["summary"]
+    old_path = layout.round_dir(run_dir, r) / ROUND_JSON
+    old_seconds = json.loads(old_path.read_text()).get("seconds", {}) if old_path.is_file() else {}
+    n = summ["trajectories"]
+    return {
+        "round": r, "reward_mean": summ["final_reward_mean"], "reward_std": summ["final_reward_std"], "n": n,
+        "reward_stderr": summ["final_reward_std"] / max(n - 1, 1) ** 0.5,
+        "turning_point_rate": summ["turning_point_rate"], "turning_points": summ["turning_points"],
+        "turning_points_kept": summ["turning_points_kept"],
+        "tp_rate_per_step": [s["rate"] for s in summ["per_step"]],
+        "transformer_calls": m["rollout"]["counts"].get("transformer_calls", 0) + m["score"]["counts"].get("transformer_calls", 0),
+        "decodes": m["rollout"]["counts"].get("decodes", 0) + m["score"]["counts"].get("decodes", 0),
+        "reward_calls": m["score"]["counts"].get("reward_calls", 0),
+        "seconds": {**old_seconds, **{k: round(v, 2) for k, v in seconds.items()}},
+        "train": {k: m["train"].get("last_metrics", {}).get(k) for k in ("loss", "ratio_mean", "clipfrac", "grad_norm")},
+    }
+
+
+def write_rounds(run_dir: Path, rounds: int) -> list[dict]:
+    """rounds.jsonl rebuilt from every finished round (no duplicates after a restart)."""
+    lines = []
+    for r in range(rounds):
+        p = layout.round_dir(run_dir, r) / ROUND_JSON
+        if p.is_file():
+            lines.append(json.loads(p.read_text()))
+    layout.atomic_write(run_dir / layout.ROUNDS_FILE, "".join(json.dumps(x) + "\n" for x in lines).encode())
+    return lines
+
+
+def run(recipe: Recipe) -> list[dict]:
+    from tpkit import report
+    from tpkit.ui import console
+
+    # 1. The run folder and its recipe (refusing a different recipe for an existing run).
+    run_dir = Path(recipe.out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    check_same_recipe(run_dir, recipe)
+
+    # 2. Rounds; finished ones are skipped, a half-finished one resumes at its first missing stage.
+    lines: list[dict] = []
+    t0 = time.perf_counter()
+    for r in range(recipe.rounds):
+        if (layout.round_dir(run_dir, r) / ROUND_JSON).is_file() and (stage_dirs(run_dir, r)["train"] / layout.MANIFEST).is_file():
+            continue
+        elapsed = time.perf_counter() - t0
+        console.rule(f"[bold]round {r + 1}/{recipe.rounds}[/] ({recipe.method}, {run_dir})"
+                     + (f"  elapsed {elapsed:.0f}s" if elapsed > 1 else ""))
+        run_round(recipe, run_dir, r)
+        # 3. After every round: rounds.jsonl and report.png.
+        lines = write_rounds(run_dir, recipe.rounds)
+        report.write(run_dir, lines)
+    lines = write_rounds(run_dir, recipe.rounds)
+    if lines and not (run_dir / report.REPORT).is_file():
+        report.write(run_dir, lines)
+    return lines

@@ -1,0 +1,286 @@
+"""Stage 4, `tpkit train`: clipped GRPO updates of a LoRA on the cached transitions.
+
+For every (trajectory, step k) row of the advantages table, the stored transition s_{k-1} -> s_k
+is re-scored under the current policy (CFG, stored prompt embeddings, no text encoder, no VAE):
+l_new, ratio = exp(l_new - l_old), loss = max(-A ratio, -A clip(ratio)) + beta KL(policy || base).
+
+Micro-batches replay the rollout's own transformer batches (the same trajectories at the same
+step, in the same order), so on unchanged weights the recomputed log-probs equal the stored ones
+bit for bit and the first ratio is exactly 1. The round's micro-batches are shuffled (seeded) and
+split evenly into `optimizer_steps` optimizer steps. Runs under `accelerate` (DDP with
+`accelerate launch`): each rank takes every world-th micro-batch of a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tpkit import formulas, layout
+from tpkit.config import TrainConfig, to_dict
+from tpkit.errors import InputError, TpkitError
+from tpkit.layout import EMBED_KEYS
+
+ADAPTER, ADAPTER_EMA, STATE = "adapter", "adapter-ema", "state"
+
+
+class TrainError(TpkitError):
+    """Training cannot go on (e.g. non-finite losses in a row)."""
+
+
+@dataclass
+class MicroBatch:
+    """Transitions s_{k-1} -> s_k of the trajectories of one rollout batch at one step k."""
+
+    key: tuple[str, int]  # (rollout_batch, k)
+    x: torch.Tensor  # [B, C, h, w]  s_{k-1}
+    x_next: torch.Tensor  # [B, C, h, w]  s_k
+    sigma: torch.Tensor  # [B]  sigma_{a+k-1}
+    sigma_next: torch.Tensor  # [B]
+    old_log_prob: torch.Tensor  # [B]
+    advantage: torch.Tensor  # [B]
+    prompt_ids: list[str]
+
+
+def read_advantages(folder: Path) -> dict[tuple[str, int], float]:
+    table = layout.read_parquet_tables(folder, "advantages")
+    missing = [c for c in ("trajectory_id", "step", "advantage") if c not in table.column_names]
+    if missing:
+        raise InputError(f"{folder}: advantages table lacks {', '.join(missing)}", "pass the folder written by `tpkit advantages`")
+    adv = np.asarray(table["advantage"].to_pylist(), dtype=np.float64)
+    if not np.isfinite(adv).all():
+        raise InputError(f"{folder}: non-finite advantages", "recompute them with `tpkit advantages`")
+    return dict(zip(zip(table["trajectory_id"].to_pylist(), table["step"].to_pylist()), adv.tolist()))
+
+
+def load_micro_batches(rollout_dir: Path, adv: dict, cfg: TrainConfig) -> tuple[list[MicroBatch], dict, dict]:
+    """All transitions of the rollout with their advantages, grouped as the rollout batched them.
+
+    Returns (micro-batches, prompt embeddings by prompt_id, rollout settings of the first trajectory).
+    """
+    groups: dict[tuple[str, int], list] = {}
+    embeds: dict[str, dict] = {}
+    seen: set[str] = set()
+    meta0 = None
+    for shard in layout.list_shards(rollout_dir):
+        prompts, trajs = layout.read_shard(shard)
+        embeds.update({pid: p.embeds for pid, p in prompts.items()})
+        for t in trajs:
+            m, tens = t.meta, t.tensors
+            meta0 = meta0 or m
+            seen.add(m["trajectory_id"])
+            a, sig = m["window_start"], m["sigmas"]
+            for k in range(1, m["window_size"] + 1):
+                if (m["trajectory_id"], k) not in adv:
+                    raise InputError(f"advantages have no row for trajectory {m['trajectory_id']} step {k}",
+                                     "compute advantages from this rollout's scores (`tpkit score` then `tpkit advantages`)")
+                groups.setdefault((m["rollout_batch"], k), []).append(
+                    (m["batch_slot"], tens["states"][k - 1], tens["states"][k], sig[a + k - 1], sig[a + k],
+                     tens["log_probs"][k - 1], adv[(m["trajectory_id"], k)], m["prompt_id"]))
+    extra = {tid for tid, _ in adv} - seen
+    if extra:
+        raise InputError(f"advantages reference {len(extra)} trajectories the rollout does not have "
+                         f"(e.g. {sorted(extra)[0]})", "pass the rollout folder these advantages were computed from")
+    if meta0 is None:
+        raise InputError(f"{rollout_dir}: no trajectories", "run `tpkit rollout` first")
+    out = []
+    for key in sorted(groups):
+        rows = sorted(groups[key], key=lambda r: r[0])
+        for i in range(0, len(rows), cfg.micro_batch_size or len(rows)):
+            part = rows[i: i + (cfg.micro_batch_size or len(rows))]
+            out.append(MicroBatch(
+                key=key, x=torch.stack([r[1] for r in part]), x_next=torch.stack([r[2] for r in part]),
+                sigma=torch.tensor([r[3] for r in part], dtype=torch.float32),
+                sigma_next=torch.tensor([r[4] for r in part], dtype=torch.float32),
+                old_log_prob=torch.stack([r[5] for r in part]).float(),
+                advantage=torch.tensor([r[6] for r in part], dtype=torch.float64), prompt_ids=[r[7] for r in part]))
+    return out, embeds, meta0
+
+
+def plan_steps(batches: list[MicroBatch], cfg: TrainConfig, global_step: int) -> list[list[MicroBatch]]:
+    """Shuffle (seeded by the run seed and the global step) and split into optimizer steps."""
+    useful = [b for b in batches if cfg.beta > 0 or bool((b.advantage != 0).any())]  # A = 0, beta = 0: no gradient
+    order = np.random.default_rng([cfg.seed, global_step]).permutation(len(useful))
+    steps = [list(part) for part in np.array_split(np.asarray(useful, dtype=object)[order], cfg.optimizer_steps)]
+    return [s for s in steps if s]
+
+
+def run(cfg: TrainConfig) -> dict:
+    from accelerate import Accelerator
+
+    from tpkit import sd3
+    from tpkit.ui import track
+
+    # 1. Check inputs: the rollout, its advantages, and the state to continue from.
+    cfg.validate()
+    rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
+    rollout = layout.read_manifest(rollout_dir, "rollout")
+    layout.read_manifest(cfg.advantages, "advantages")
+    adv = read_advantages(Path(cfg.advantages))
+    batches, embeds, meta = load_micro_batches(rollout_dir, adv, cfg)
+    state_in = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
+    trainer_state = json.loads((state_in / "trainer.json").read_text()) if state_in and (state_in / "trainer.json").is_file() else {}
+    global_step = trainer_state.get("global_step", 0)
+
+    # 2. Model: transformer only, frozen, with a trainable float32 LoRA (continuing the previous round's).
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=cfg.device == "cpu")
+    model = sd3.load(rollout["config"]["model"], str(accelerator.device), cfg.dtype, text_encoders=False, vae=False)
+    lora_config = sd3.add_trainable_lora(model.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.init_lora)
+    if cfg.gradient_checkpointing:
+        model.transformer.enable_gradient_checkpointing()
+    params = [p for p in model.transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
+    if state_in and (state_in / "optimizer.pt").is_file():
+        optimizer.load_state_dict(torch.load(state_in / "optimizer.pt", map_location="cpu", weights_only=True))
+    ema = _load_ema(state_in, model.transformer) if cfg.ema else None
+    transformer, optimizer = accelerator.prepare(model.transformer, optimizer)
+    device = accelerator.device
+    embeds = {pid: {k: e[k].to(device) for k in EMBED_KEYS} for pid, e in embeds.items()}
+    settings = dict(sampler=meta["sampler"], noise_level=meta["noise_level"], sigma_1=meta["sigmas"][1],
+                    guidance=meta["guidance"])
+
+    # 3. Optimizer steps: each accumulates its share of micro-batches, then clips and steps.
+    steps = plan_steps(batches, cfg, global_step)
+    if accelerator.num_processes > 1 and min(len(s) for s in steps) < accelerator.num_processes:
+        raise TrainError(f"{min(len(s) for s in steps)} micro-batches in an optimizer step for "
+                         f"{accelerator.num_processes} processes", "use fewer --optimizer-steps or a larger rollout")
+    metrics, bad_in_row = [], 0
+    t_start = time.perf_counter()
+    with track(sum(len(s) for s in steps), "train micro-batches") as advance:
+        for step_batches in steps:
+            t0 = time.perf_counter()
+            n_samples = sum(len(b.prompt_ids) for b in step_batches)
+            mine = step_batches[accelerator.process_index:: accelerator.num_processes]
+            sums = torch.zeros(8, dtype=torch.float64, device=device)
+            for i, b in enumerate(mine):
+                sync = i == len(mine) - 1
+                ctx = accelerator.no_sync(transformer) if not sync else contextlib.nullcontext()
+                with ctx:
+                    loss, stats = _micro_batch_loss(model, transformer, b, embeds, settings, cfg, accelerator)
+                    accelerator.backward(loss * accelerator.num_processes / n_samples)
+                sums += stats
+                advance(1)
+            sums = accelerator.reduce(sums, reduction="sum")
+            grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+            finite = bool(torch.isfinite(sums).all()) and np.isfinite(grad_norm)
+            if finite:
+                optimizer.step()
+                bad_in_row = 0
+                if ema is not None:
+                    _update_ema(ema, model.transformer, cfg.ema_decay)
+            else:
+                bad_in_row += 1
+            optimizer.zero_grad(set_to_none=True)
+            global_step += 1
+            metrics.append(_metrics_line(global_step, sums, n_samples, grad_norm, cfg, finite, time.perf_counter() - t0))
+            if bad_in_row >= cfg.max_bad_steps:
+                raise TrainError(f"{bad_in_row} optimizer steps in a row had a non-finite loss or gradient",
+                                 "lower --learning-rate, check the rewards/advantages, or raise --max-bad-steps")
+
+    # 4. Save (main process): adapter, EMA adapter, optimizer/EMA state, metrics, then the manifest.
+    accelerator.wait_for_everyone()
+    manifest = None
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(transformer)
+        sd3.save_lora(unwrapped, lora_config, out / ADAPTER)
+        if ema is not None:
+            sd3.save_lora(ema, lora_config, out / ADAPTER_EMA)
+        _save_state(out / STATE, optimizer, ema, global_step)
+        layout.atomic_write(out / layout.METRICS_FILE, "".join(json.dumps(m) + "\n" for m in metrics).encode())
+        manifest = layout.write_manifest(
+            out, "train", to_dict(cfg),
+            inputs={"rollout": str(rollout_dir), "advantages": str(cfg.advantages), "init_lora": cfg.init_lora,
+                    "model": rollout["config"]["model"]},
+            counts={"optimizer_steps": len(metrics), "micro_batches": sum(len(s) for s in steps),
+                    "transitions": sum(len(b.prompt_ids) for s in steps for b in s), "global_step": global_step,
+                    "processes": accelerator.num_processes,
+                    "nonfinite_steps": sum(not m["finite"] for m in metrics)},
+            seconds={"train": time.perf_counter() - t_start}, last_metrics=metrics[-1] if metrics else {},
+        )
+    accelerator.wait_for_everyone()
+    accelerator.end_training() if hasattr(accelerator, "end_training") else None
+    return manifest or {}
+
+
+def _micro_batch_loss(model, transformer, b: MicroBatch, embeds, settings, cfg: TrainConfig, accelerator):
+    """Sum over the micro-batch of the per-sample GRPO loss, and metric sums (float64 [8])."""
+    device = accelerator.device
+    emb = {k: torch.cat([embeds[p][k] for p in b.prompt_ids]) for k in EMBED_KEYS}
+    x, x_next = b.x.to(device), b.x_next.to(device)
+    sigma, sigma_next = b.sigma.to(device), b.sigma_next.to(device)
+    with accelerator.autocast():
+        v = model.velocity(x, sigma, emb, settings["guidance"], transformer=transformer)
+    step = formulas.stochastic_step(settings["sampler"], x, v, sigma, sigma_next, settings["noise_level"],
+                                    settings["sigma_1"], sample=x_next)
+    old = b.old_log_prob.to(device)
+    adv = b.advantage.to(device).float()
+    policy, ratio = formulas.clipped_policy_loss(step.log_prob, old, adv, cfg.clip_range, cfg.adv_clip)
+    kl = torch.zeros_like(policy)
+    if cfg.beta > 0:
+        base = accelerator.unwrap_model(transformer)
+        base.disable_adapters()  # the reference policy is the base model: no second copy in memory
+        try:
+            with torch.no_grad(), accelerator.autocast():
+                v_ref = model.velocity(x, sigma, emb, settings["guidance"], transformer=base)
+        finally:
+            base.enable_adapters()
+        ref = formulas.stochastic_step(settings["sampler"], x, v_ref, sigma, sigma_next, settings["noise_level"],
+                                       settings["sigma_1"], sample=x_next)
+        kl = formulas.kl_to_reference(step.mean, ref.mean, step.std)
+    loss = (policy + cfg.beta * kl).sum()
+    with torch.no_grad():
+        d = (step.log_prob - old).double()
+        stats = torch.stack([
+            loss.double().detach(), policy.sum().double(), kl.sum().double(), ratio.sum().double(),
+            ((ratio - 1).abs() > cfg.clip_range).sum().double(), (0.5 * d**2).sum(), ratio.min().double(),
+            ratio.max().double(),
+        ])
+    return loss, stats
+
+
+def _metrics_line(step: int, sums: torch.Tensor, n: int, grad_norm: float, cfg: TrainConfig, finite: bool, secs: float) -> dict:
+    s = sums.tolist()
+    return {"step": step, "loss": s[0] / n, "policy_loss": s[1] / n, "kl_loss": s[2] / n, "ratio_mean": s[3] / n,
+            "clipfrac": s[4] / n, "approx_kl": s[5] / n, "grad_norm": grad_norm, "lr": cfg.learning_rate,
+            "samples": n, "finite": bool(finite), "seconds": round(secs, 3)}
+
+
+def _load_ema(state_in: Path | None, transformer) -> dict:
+    from safetensors.torch import load_file
+
+    from tpkit import sd3
+
+    path = state_in / "ema.safetensors" if state_in else None
+    if path and path.is_file():
+        return load_file(path)
+    return {k: v.detach().float().clone() for k, v in sd3.lora_state(transformer).items()}
+
+
+@torch.no_grad()
+def _update_ema(ema: dict, transformer, decay: float) -> None:
+    from tpkit import sd3
+
+    for k, v in sd3.lora_state(transformer).items():
+        ema[k].mul_(decay).add_(v.detach().float().cpu(), alpha=1 - decay)
+
+
+def _save_state(folder: Path, optimizer, ema: dict | None, global_step: int) -> None:
+    """Optimizer (torch.save of plain tensors, read back with weights_only=True), EMA, step."""
+    import io
+
+    from safetensors.torch import save
+
+    buf = io.BytesIO()
+    torch.save(optimizer.state_dict(), buf)
+    layout.atomic_write(folder / "optimizer.pt", buf.getvalue())
+    if ema is not None:
+        layout.atomic_write(folder / "ema.safetensors", save({k: v.contiguous() for k, v in ema.items()}))
+    layout.atomic_write_json(folder / "trainer.json", {"global_step": global_step})
