@@ -61,8 +61,9 @@ class RolloutConfig:
     max_sequence_length: int = 256
     dtype: str = "auto"  # auto: bf16 on CUDA, float32 on CPU
     device: str = "auto"
-    rank: int = 0
-    world_size: int = 1
+    prompts_per_round: int = 0  # 0: every prompt; N: a seeded random subset of N prompts
+    rank: int | None = None  # None: $RANK or 0
+    world_size: int | None = None  # None: $WORLD_SIZE or 1
 
     def __post_init__(self) -> None:
         self.window_range = tuple(self.window_range)
@@ -76,6 +77,7 @@ class RolloutConfig:
         for name in ("group_size", "steps", "window_size", "prompts_per_shard", "batch_size", "max_sequence_length"):
             _positive(name, getattr(self, name))
         _positive("guidance", self.guidance)
+        _positive("prompts_per_round", self.prompts_per_round, allow_zero=True)
         if not 0 < self.noise_level <= (1.0 if self.sampler == "cps" else 10.0):
             raise ConfigError(f"noise_level = {self.noise_level} is out of range for sampler {self.sampler}",
                               "use a value in (0, 1] for cps (paper: 0.7) or a positive value for sde")
@@ -103,8 +105,8 @@ class ScoreConfig:
     decode_batch_size: int = 8
     dtype: str = "auto"
     device: str = "auto"
-    rank: int = 0
-    world_size: int = 1
+    rank: int | None = None
+    world_size: int | None = None
 
     def validate(self) -> "ScoreConfig":
         _choice("branches", self.branches, BRANCHES)

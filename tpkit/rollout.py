@@ -32,6 +32,15 @@ def plan_shards(prompts: list[Prompt], per_shard: int) -> list[list[Prompt]]:
     return [prompts[i: i + per_shard] for i in range(0, len(prompts), per_shard)]
 
 
+def choose_prompts(prompts: list[Prompt], cfg: RolloutConfig) -> list[Prompt]:
+    """Every prompt, or a random subset of prompts_per_round drawn from the seed (file order kept)."""
+    n = cfg.prompts_per_round
+    if not n or n >= len(prompts):
+        return prompts
+    keys = sorted(range(len(prompts)), key=lambda i: derive_seed(cfg.seed, "prompts", prompts[i].prompt_id))
+    return [prompts[i] for i in sorted(keys[:n])]
+
+
 def draw_window_start(cfg: RolloutConfig) -> int:
     """One window start a for the whole rollout (one batch), drawn from the base seed."""
     u = derive_seed(cfg.seed, "window") / 2**63
@@ -140,7 +149,7 @@ def run(cfg: RolloutConfig) -> dict | None:
     # 1. Check inputs and plan the work: shards of whole prompt groups, this rank's share.
     cfg.validate()
     out = Path(cfg.out)
-    prompts = layout.load_prompts(Path(cfg.prompts))
+    prompts = choose_prompts(layout.load_prompts(Path(cfg.prompts)), cfg)
     shards = plan_shards(prompts, cfg.prompts_per_shard)
     start = draw_window_start(cfg)
 

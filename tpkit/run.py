@@ -48,11 +48,25 @@ def _timed(fn, cfg) -> tuple[dict | None, float]:
     return result, time.perf_counter() - t0
 
 
-def run_round(recipe: Recipe, run_dir: Path, r: int) -> dict:
-    """Run (or finish) round r; returns its summary line."""
-    from tpkit import advantages, rollout, score, train
+def wait_for(path: Path, what: str, poll: float = 2.0) -> None:
+    """File barrier between processes (works across nodes on a shared file system): another rank
+    finishes the stage and writes this manifest."""
     from tpkit.ui import console
 
+    if path.is_file():
+        return
+    console.print(f"waiting for the other processes to finish {what} ({path})")
+    while not path.is_file():
+        time.sleep(poll)
+
+
+def run_round(recipe: Recipe, run_dir: Path, r: int) -> dict | None:
+    """Run (or finish) round r; returns its summary line (on the main process)."""
+    from tpkit import advantages, rollout, score, train
+    from tpkit.config import resolve_rank
+    from tpkit.ui import console
+
+    rank, world = resolve_rank(None, None)
     d = stage_dirs(run_dir, r)
     prev_adapter = stage_dirs(run_dir, r - 1)["train"] / train.ADAPTER if r > 0 else None
     seconds = {}
@@ -65,20 +79,27 @@ def run_round(recipe: Recipe, run_dir: Path, r: int) -> dict:
         cfg = dataclasses.replace(recipe.rollout, out=str(d["rollout"]), seed=recipe.seed + r,
                                   lora=str(prev_adapter) if prev_adapter else None)
         _, seconds["rollout"] = _timed(rollout.run, cfg)
+        wait_for(d["rollout"] / layout.MANIFEST, "rollout")
     # 2. Score every branch (or only R_K for flow-grpo).
     if not done("score"):
         cfg = dataclasses.replace(recipe.score, rollout=str(d["rollout"]), out=str(d["score"]))
         _, seconds["score"] = _timed(score.run, cfg)
-    # 3. Advantages.
+        wait_for(d["score"] / layout.MANIFEST, "score")
+    # 3. Advantages (one process; it is cheap).
     if not done("advantages"):
-        cfg = dataclasses.replace(recipe.advantages, scores=str(d["score"]), out=str(d["advantages"]))
-        _, seconds["advantages"] = _timed(advantages.run, cfg)
+        if rank == 0:
+            cfg = dataclasses.replace(recipe.advantages, scores=str(d["score"]), out=str(d["advantages"]))
+            _, seconds["advantages"] = _timed(advantages.run, cfg)
+        wait_for(d["advantages"] / layout.MANIFEST, "advantages")
     # 4. Train, continuing the previous round's adapter and optimizer state.
     if not done("train"):
         cfg = dataclasses.replace(recipe.train, rollout=str(d["rollout"]), advantages=str(d["advantages"]),
                                   out=str(d["train"]), seed=recipe.seed + r,
                                   init_lora=str(prev_adapter) if prev_adapter else None)
-        _, seconds["train"] = _timed(train.run, cfg)
+        _, seconds["train"] = _timed(train.run, cfg)  # all processes: data-parallel under accelerate
+        wait_for(d["train"] / layout.MANIFEST, "train")
+    if rank != 0:
+        return None
 
     line = round_summary(run_dir, r, seconds)
     layout.atomic_write_json(layout.round_dir(run_dir, r) / ROUND_JSON, line)
@@ -125,9 +146,15 @@ def run(recipe: Recipe) -> list[dict]:
     from tpkit.ui import console
 
     # 1. The run folder and its recipe (refusing a different recipe for an existing run).
+    from tpkit.config import resolve_rank
+    from tpkit.rewards import check_names
+
+    rank, world = resolve_rank(None, None)
+    check_names(recipe.score.rewards)
     run_dir = Path(recipe.out)
     run_dir.mkdir(parents=True, exist_ok=True)
-    check_same_recipe(run_dir, recipe)
+    if rank == 0:
+        check_same_recipe(run_dir, recipe)
 
     # 2. Rounds; finished ones are skipped, a half-finished one resumes at its first missing stage.
     lines: list[dict] = []
@@ -138,10 +165,14 @@ def run(recipe: Recipe) -> list[dict]:
         elapsed = time.perf_counter() - t0
         console.rule(f"[bold]round {r + 1}/{recipe.rounds}[/] ({recipe.method}, {run_dir})"
                      + (f"  elapsed {elapsed:.0f}s" if elapsed > 1 else ""))
-        run_round(recipe, run_dir, r)
-        # 3. After every round: rounds.jsonl and report.png.
+        if run_round(recipe, run_dir, r) is None:
+            wait_for(layout.round_dir(run_dir, r) / ROUND_JSON, f"round {r}")
+            continue
+        # 3. After every round (main process): rounds.jsonl and report.png.
         lines = write_rounds(run_dir, recipe.rounds)
         report.write(run_dir, lines)
+    if rank != 0:
+        return []
     lines = write_rounds(run_dir, recipe.rounds)
     if lines and not (run_dir / report.REPORT).is_file():
         report.write(run_dir, lines)

@@ -23,7 +23,7 @@ from tpkit.errors import ModelError
 
 TINY_RESOLUTION = 64
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' file name inside an adapter folder
-_TINY_VERSION = 1  # bump when the tiny architecture changes, so old caches are not reused
+_TINY_VERSION = 2  # bump when the tiny architecture changes, so old caches are not reused
 
 
 def _quiet_libraries() -> None:
@@ -63,7 +63,9 @@ def build_tiny_sd3(path: Path) -> None:
 
     Same structure as SD3.5-Medium in miniature: a 2-block MMDiT with RMS q/k norm, a VAE that
     downsamples 8x with 16 latent channels (64 px -> 8x8 latent), two CLIP text encoders with
-    projection and a T5 encoder.
+    projection and a T5 encoder. The VAE normalises over all channels at once (one group), so
+    that shifts of the latent reach the image: with per-group norms a random decoder maps
+    almost every latent to the same texture and no reward can be learned on CPU.
     """
     _quiet_libraries()
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
@@ -80,7 +82,7 @@ def build_tiny_sd3(path: Path) -> None:
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=16, sample_size=TINY_RESOLUTION,
         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 16, 16, 16), layers_per_block=1, norm_num_groups=4,
+        block_out_channels=(16, 16, 16, 16), layers_per_block=1, norm_num_groups=1,
         use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5305, shift_factor=0.0609,
     )
     clip_cfg = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -128,7 +130,10 @@ def resolve_model(model: str) -> str:
 
 def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        # one GPU per process under accelerate launch / torchrun
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     return torch.device(device)
 
 

@@ -136,10 +136,10 @@ def train_view(folder: Path) -> None:
 def rounds_view(lines: list[dict]) -> None:
     """rounds.jsonl: final reward and turning points per round."""
     t = Table(title="rounds", title_justify="left")
-    for c in ("round", "reward mean ± s.e.", "std", "n", "turning-point rate", "transformer calls", "seconds"):
+    for c in ("round", "reward", "s.e.", "std", "n", "TP rate", "calls", "seconds"):
         t.add_column(c, justify="right")
     for x in lines:
-        t.add_row(str(x["round"]), f"{_fmt(x['reward_mean'])} ± {_fmt(x['reward_stderr'])}", _fmt(x["reward_std"]),
+        t.add_row(str(x["round"]), _fmt(x["reward_mean"]), _fmt(x["reward_stderr"]), _fmt(x["reward_std"]),
                   str(x["n"]), f"{x['turning_point_rate']:.1%}", str(x["transformer_calls"]),
                   f"{sum(x['seconds'].values()):.1f}")
     console.print(t)
