@@ -173,8 +173,9 @@ def run_recipe(
 
     r = load_recipe(recipe, set_, rounds=rounds, out=str(out) if out else None)
     lines = stage.run(r)
-    rounds_view(lines)
-    _done(Path(r.out))
+    if lines:  # the main process reports; the others return nothing
+        rounds_view(lines)
+        _done(Path(r.out))
 
 
 @app.command()

@@ -1,0 +1,294 @@
+"""`tpkit train` on the session's tiny_run: metrics, the exact first-step ratio, KL, the adapter
+(diffusers-loadable, changes the output), optimizer/EMA state, continuing a round, bad inputs.
+
+Every run uses a small LoRA (rank 4, alpha 8); a train run on tiny_run takes about a second once
+the model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tpkit import layout, rollout, sd3, train
+from tpkit.config import RolloutConfig, TrainConfig
+from tpkit.errors import ConfigError, InputError
+
+RANK, ALPHA = 4, 8
+LR = 1e-2  # large enough that two steps visibly change the tiny model's output
+METRIC_KEYS = ("step", "loss", "policy_loss", "kl_loss", "ratio_mean", "clipfrac", "approx_kl", "grad_norm", "lr")
+WEIGHTS = sd3.LORA_WEIGHTS
+
+
+def train_cfg(tiny_run: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(rollout=str(tiny_run / "rollout"), advantages=str(tiny_run / "advantages"), out=str(out),
+                lora_rank=RANK, lora_alpha=ALPHA, learning_rate=LR)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / layout.METRICS_FILE).read_text().splitlines() if line.strip()]
+
+
+def adapter(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / WEIGHTS)
+
+
+def differs(a: dict, b: dict) -> bool:
+    assert a.keys() == b.keys()
+    return any(not torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_run, tmp_path_factory) -> Path:
+    """Default beta (1e-4), EMA on, 2 optimizer steps."""
+    out = tmp_path_factory.mktemp("train") / "train"
+    train.run(train_cfg(tiny_run, out, ema=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained_beta0(tiny_run, tmp_path_factory) -> Path:
+    """beta = 0 (no reference pass), no EMA, 3 optimizer steps."""
+    out = tmp_path_factory.mktemp("train-b0") / "train"
+    train.run(train_cfg(tiny_run, out, beta=0.0, optimizer_steps=3))
+    return out
+
+
+@pytest.fixture(scope="module")
+def continued(trained, tiny_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("train-cont") / "train"
+    train.run(train_cfg(tiny_run, out, ema=True, init_lora=str(trained / train.ADAPTER)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# metrics.jsonl
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which, steps", [("trained", 2), ("trained_beta0", 3)])
+def test_metrics_one_line_per_optimizer_step(which, steps, request):
+    out = request.getfixturevalue(which)
+    lines = metrics(out)
+    assert len(lines) == steps
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    for m in lines:
+        assert set(METRIC_KEYS) <= set(m), f"missing {set(METRIC_KEYS) - set(m)}"
+        for k in METRIC_KEYS:
+            assert isinstance(m[k], (int, float)) and math.isfinite(m[k]), (k, m[k])
+        assert m["lr"] == LR
+        assert 0 <= m["clipfrac"] <= 1
+        assert m["approx_kl"] >= 0 and m["grad_norm"] >= 0
+    manifest = json.loads((out / layout.MANIFEST).read_text())
+    assert manifest["stage"] == "train"
+    assert manifest["counts"]["optimizer_steps"] == steps
+    assert manifest["counts"]["global_step"] == steps
+
+
+@pytest.mark.parametrize("which", ["trained", "trained_beta0"])
+def test_first_step_ratio_is_exactly_one(which, request):
+    """Replaying the rollout's own batches on unchanged weights: log-probs equal bit for bit."""
+    first = metrics(request.getfixturevalue(which))[0]
+    assert first["ratio_mean"] == 1.0
+    assert first["clipfrac"] == 0
+    assert first["approx_kl"] == 0
+
+
+def test_later_steps_move_the_policy(trained):
+    """After one update at this learning rate the ratio is no longer exactly 1."""
+    second = metrics(trained)[1]
+    assert second["ratio_mean"] != 1.0 or second["approx_kl"] > 0
+
+
+def test_beta_zero_has_no_kl(trained_beta0):
+    lines = metrics(trained_beta0)
+    assert all(m["kl_loss"] == 0 for m in lines)
+    assert all(m["loss"] == pytest.approx(m["policy_loss"], rel=1e-12, abs=1e-15) for m in lines)
+
+
+def test_beta_positive_kl_zero_then_positive(trained):
+    lines = metrics(trained)
+    assert lines[0]["kl_loss"] == 0  # LoRA B starts at zero: policy == base model
+    assert all(m["kl_loss"] > 0 for m in lines[1:])
+    for m in lines:  # loss = policy + beta * KL (beta = 1e-4, the default); summed in float32
+        assert m["loss"] == pytest.approx(m["policy_loss"] + 1e-4 * m["kl_loss"], rel=1e-3, abs=1e-9)
+
+
+# --------------------------------------------------------------------------------------------
+# The adapter and state
+# --------------------------------------------------------------------------------------------
+
+
+def test_adapter_loads_into_diffusers_and_changes_output(trained):
+    from diffusers import StableDiffusion3Pipeline
+    from peft.utils import get_peft_model_state_dict
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3.resolve_model("tiny-sd3"))
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate() -> np.ndarray:
+        return pipe("a red cube on a wooden table", num_inference_steps=3, height=64, width=64,
+                    output_type="np", generator=torch.Generator().manual_seed(0)).images
+
+    base = generate()
+    assert np.array_equal(base, generate())  # same seed, same output: the comparison below is meaningful
+    pipe.load_lora_weights(str(trained / train.ADAPTER))
+    names = pipe.get_list_adapters().get("transformer", [])
+    assert len(names) == 1
+    tuned = generate()
+    assert tuned.shape == base.shape
+    assert np.isfinite(tuned).all()
+    assert not np.array_equal(tuned, base)
+    assert np.abs(tuned - base).max() > 1e-5
+
+    # The weights diffusers loaded are the saved ones, with the trained alpha / rank scaling.
+    saved = {k.removeprefix("transformer."): v for k, v in adapter(trained / train.ADAPTER).items()}
+    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=names[0])
+    assert saved.keys() == loaded.keys()
+    for k in saved:
+        torch.testing.assert_close(loaded[k].float(), saved[k].float(), rtol=0, atol=0)
+    scalings = [m.scaling[names[0]] for m in pipe.transformer.modules()
+                if isinstance(getattr(m, "scaling", None), dict) and names[0] in m.scaling]
+    assert scalings and all(s == ALPHA / RANK for s in scalings)
+
+
+def test_adapter_has_every_target(trained):
+    keys = adapter(trained / train.ADAPTER).keys()
+    for target in ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"):
+        assert any(f".{target}.lora_A" in k for k in keys), target
+    a = [v for k, v in adapter(trained / train.ADAPTER).items() if "lora_A" in k]
+    assert all(v.shape[0] == RANK for v in a)
+
+
+def test_optimizer_state_loads_with_weights_only(trained):
+    state = torch.load(trained / train.STATE / "optimizer.pt", map_location="cpu", weights_only=True)
+    assert set(state) == {"state", "param_groups"}
+    assert state["param_groups"][0]["lr"] == LR
+    assert state["state"], "no per-parameter AdamW state"
+    assert all(float(s["step"]) == 2 for s in state["state"].values())
+    assert json.loads((trained / train.STATE / "trainer.json").read_text())["global_step"] == 2
+
+
+def test_continue_from_adapter(trained, continued):
+    assert json.loads((continued / train.STATE / "trainer.json").read_text())["global_step"] == 4
+    assert [m["step"] for m in metrics(continued)] == [3, 4]
+    assert json.loads((continued / layout.MANIFEST).read_text())["counts"]["global_step"] == 4
+    # The optimizer continued too (AdamW step counts 2 -> 4), and the weights moved on.
+    state = torch.load(continued / train.STATE / "optimizer.pt", map_location="cpu", weights_only=True)
+    assert all(float(s["step"]) == 4 for s in state["state"].values())
+    assert differs(adapter(trained / train.ADAPTER), adapter(continued / train.ADAPTER))
+    # It started from the previous adapter: on step 3 the policy already differs from the base
+    # model, so the KL term is positive from the first step of this round.
+    assert metrics(continued)[0]["kl_loss"] > 0
+
+
+def test_ema_adapter(trained, trained_beta0, continued):
+    ema_dir = trained / train.ADAPTER_EMA
+    assert (ema_dir / WEIGHTS).is_file()
+    assert (trained / train.STATE / "ema.safetensors").is_file()
+    assert differs(adapter(trained / train.ADAPTER), adapter(ema_dir))
+    assert not (trained_beta0 / train.ADAPTER_EMA).exists()  # EMA off by default
+    assert not (trained_beta0 / train.STATE / "ema.safetensors").exists()
+    # The EMA continues into the next round (it is not restarted from the new weights).
+    assert differs(adapter(ema_dir), adapter(continued / train.ADAPTER_EMA))
+    assert differs(adapter(continued / train.ADAPTER), adapter(continued / train.ADAPTER_EMA))
+
+
+def test_ema_adapter_loads_into_diffusers(trained):
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3.resolve_model("tiny-sd3"))
+    pipe.load_lora_weights(str(trained / train.ADAPTER_EMA))
+    assert pipe.get_list_adapters().get("transformer")
+
+
+# --------------------------------------------------------------------------------------------
+# Bad inputs
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_rollout(tmp_path_factory) -> Path:
+    """A second, smaller rollout: one different prompt, 2 members."""
+    folder = tmp_path_factory.mktemp("other-rollout")
+    prompts = folder / "one.txt"
+    prompts.write_text("a green apple\n")
+    rollout.run(RolloutConfig(prompts=str(prompts), out=str(folder / "rollout"), group_size=2, prompts_per_shard=1))
+    return folder / "rollout"
+
+
+def test_advantages_of_a_different_rollout(tiny_run, other_rollout, tmp_path):
+    cfg = train_cfg(tiny_run, tmp_path / "train", rollout=str(other_rollout))
+    with pytest.raises(InputError):
+        train.run(cfg)
+    assert not (tmp_path / "train" / layout.MANIFEST).exists()
+
+
+@pytest.fixture(scope="module")
+def reseeded_rollout(tmp_path_factory) -> Path:
+    """A different rollout with the same prompt count and group size (hence the same trajectory
+    ids p00000-m000 ...) but different prompts and seed: e.g. another round's rollout."""
+    folder = tmp_path_factory.mktemp("reseeded-rollout")
+    prompts = folder / "two.txt"
+    prompts.write_text("a blue bicycle\na castle in the fog\n")
+    rollout.run(RolloutConfig(prompts=str(prompts), out=str(folder / "rollout"), group_size=4, prompts_per_shard=1,
+                              seed=1))
+    return folder / "rollout"
+
+
+def test_advantages_of_a_different_rollout_with_the_same_ids(tiny_run, reseeded_rollout, tmp_path):
+    """The advantages were computed from tiny_run's trajectories; pairing them with another
+    rollout's trajectories (same ids, different prompts, seeds and states) must be refused."""
+    cfg = train_cfg(tiny_run, tmp_path / "train", rollout=str(reseeded_rollout))
+    with pytest.raises(InputError):
+        train.run(cfg)
+
+
+def test_missing_advantage_rows(tiny_run, tmp_path):
+    import pyarrow.parquet as pq
+
+    adv = tmp_path / "advantages"
+    shutil.copytree(tiny_run / "advantages", adv)
+    path = adv / "advantages.parquet"
+    table = pq.read_table(path)
+    keep = [not (t.endswith("-m001") and s == 4) for t, s in zip(table["trajectory_id"].to_pylist(),
+                                                                 table["step"].to_pylist())]
+    assert sum(keep) < len(keep)
+    pq.write_table(table.filter(keep), path)
+    with pytest.raises(InputError, match="step 4"):
+        train.run(train_cfg(tiny_run, tmp_path / "train", advantages=str(adv)))
+
+
+def test_unknown_lora_target(tiny_run, tmp_path):
+    with pytest.raises(ConfigError, match="to_qkv"):
+        train.run(train_cfg(tiny_run, tmp_path / "train", lora_targets=["to_q", "to_qkv"]))
+    assert not (tmp_path / "train").exists()
+
+
+def test_loads_no_text_encoder_and_no_vae(tiny_run, tmp_path, monkeypatch):
+    calls = []
+    real = sd3.load
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        model = real(*args, **kwargs)
+        pipe = model.pipe
+        assert pipe.text_encoder is None and pipe.text_encoder_2 is None and pipe.text_encoder_3 is None
+        assert pipe.vae is None
+        return model
+
+    monkeypatch.setattr(sd3, "load", spy)
+    train.run(train_cfg(tiny_run, tmp_path / "train", beta=0.0, optimizer_steps=1))
+    assert len(calls) == 1
+    assert calls[0].get("text_encoders") is False
+    assert calls[0].get("vae") is False
+    assert metrics(tmp_path / "train")[0]["ratio_mean"] == 1.0
