@@ -48,7 +48,11 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
     if not lines:
         return run_dir / REPORT
     first, last = lines[0]["round"], lines[-1]["round"]
-    fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
+    fig = plt.figure(figsize=(12, 11))
+    grid = fig.add_gridspec(3, 2, height_ratios=[1, 1, 0.8])
+    ax = np.array([[fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])],
+                   [fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])]])
+    ax_images = fig.add_subplot(grid[2, :])
 
     # Reward per round: mean ± std (bars) and ± standard error (shaded).
     rounds = [x["round"] for x in lines]
@@ -80,8 +84,15 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
     if a.lines:
         a.legend()
 
-    # Final images: first round (top row) vs latest round (bottom row), same prompts and members.
+    # Turning points kept after balancing vs found, per round.
     a = ax[1, 1]
+    a.plot(rounds, [x["turning_points"] for x in lines], "o-", label="found (sign tests)")
+    a.plot(rounds, [x["turning_points_kept"] for x in lines], "s--", label="kept after balancing")
+    a.set(title="turning points per round", xlabel="round", ylabel="count")
+    a.legend()
+
+    # Final images: first round (top row) vs latest round (bottom row), same prompts and members.
+    a = ax_images
     rows = [final_images(layout.round_dir(run_dir, r) / "rollout") for r in sorted({first, last})]
     rows = [r for r in rows if r]
     if rows:

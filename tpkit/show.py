@@ -26,11 +26,10 @@ def _fmt(x: float) -> str:
 
 
 def manifest_summary(manifest: dict) -> None:
-    """Counts and seconds per phase of any stage."""
-    console.print(_kv_table(f"{manifest['stage']}: counts", manifest.get("counts", {})))
-    if manifest.get("seconds"):
-        console.print(_kv_table(f"{manifest['stage']}: seconds per phase",
-                                {k: f"{v:.2f}" for k, v in manifest["seconds"].items()}))
+    """Counts and seconds per phase of any stage, in one table."""
+    rows = dict(manifest.get("counts", {}))
+    rows.update({f"seconds: {k}": f"{v:.2f}" for k, v in manifest.get("seconds", {}).items()})
+    console.print(_kv_table(f"{manifest['stage']} summary", rows))
 
 
 def rollout_settings(manifest: dict) -> None:
@@ -148,6 +147,11 @@ def rounds_view(lines: list[dict]) -> None:
 def inspect(path: Path) -> None:
     """Summarise a stage folder, a shard or a Parquet file."""
     path = Path(path)
+    if path.is_dir() and (path / layout.ROUNDS_FILE).is_file():  # a `tpkit run` folder
+        lines = [json.loads(x) for x in (path / layout.ROUNDS_FILE).read_text().splitlines() if x.strip()]
+        console.print(f"[bold]{path}[/]: run with {len(lines)} finished rounds")
+        rounds_view(lines)
+        return
     if path.is_dir():
         manifest_path = path / layout.MANIFEST
         if not manifest_path.is_file():
