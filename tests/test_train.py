@@ -198,7 +198,7 @@ def test_ema_adapter(trained, trained_beta0, continued):
     assert differs(adapter(trained / train.ADAPTER), adapter(ema_dir))
     assert not (trained_beta0 / train.ADAPTER_EMA).exists()  # EMA off by default
     assert not (trained_beta0 / train.STATE / "ema.safetensors").exists()
-    # The EMA continues into the next round (it is not restarted from the new weights).
+    # The continued round writes its own EMA adapter, updated by its steps.
     assert differs(adapter(ema_dir), adapter(continued / train.ADAPTER_EMA))
     assert differs(adapter(continued / train.ADAPTER), adapter(continued / train.ADAPTER_EMA))
 

@@ -193,4 +193,18 @@ def run(cfg: AdvantagesConfig) -> dict:
     layout.write_parquet(out / layout.ADVANTAGES_FILE, to_table(m, a, cfg.method))
     info = summary(m, a)
     return layout.write_manifest(out, "advantages", to_dict(cfg), inputs={"scores": str(cfg.scores)},
-                                 counts={"rows": info["rows"], "trajectories": info["trajectories"]}, summary=info)
+                                 counts={"rows": info["rows"], "trajectories": info["trajectories"]}, summary=info,
+                                 rollout_id=_rollout_id_of(Path(cfg.scores)))
+
+
+def _rollout_id_of(scores: Path) -> str | None:
+    """The rollout a `tpkit score` folder came from (None for tables made elsewhere)."""
+    import json
+
+    manifest = scores / layout.MANIFEST if scores.is_dir() else None
+    if manifest is None or not manifest.is_file():
+        return None
+    try:
+        return json.loads(manifest.read_text()).get("rollout_id")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None

@@ -32,6 +32,44 @@ def _positive(name: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{name} = {value} must be {'>= 0' if allow_zero else '> 0'}", f"set {name} to a positive value")
 
 
+def _type_ok(value: Any, annotation: str) -> tuple[bool, Any]:
+    """Does a recipe/option value fit a field's annotation (a string: postponed annotations)?
+    Returns (ok, value converted where lossless, e.g. int -> float)."""
+    annotation = annotation.replace(" ", "")
+    if annotation.endswith("|None"):
+        return (True, None) if value is None else _type_ok(value, annotation[: -len("|None")])
+    if annotation == "bool":
+        return isinstance(value, bool), value
+    if annotation == "int":
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if annotation == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if annotation == "str":
+        return isinstance(value, str), value
+    if annotation.startswith("tuple[int,int]"):
+        ok = isinstance(value, (list, tuple)) and len(value) == 2 and all(_type_ok(v, "int")[0] for v in value)
+        return ok, tuple(value) if ok else value
+    if annotation.startswith("list[str]"):
+        return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value), list(value) if isinstance(value, (list, tuple)) else value
+    if annotation.startswith("dict"):
+        return isinstance(value, dict), value
+    return True, value
+
+
+def check_types(cfg: Any, section: str = "") -> None:
+    """Every field of a config dataclass has a value of its declared type (recipes and --set are
+    untyped text: "abc" for an int or "no" for a bool must be an error that names the key)."""
+    for f in fields(cfg):
+        ok, value = _type_ok(getattr(cfg, f.name), str(f.type))
+        if not ok:
+            key = f"{section}.{f.name}" if section else f.name
+            want = str(f.type).replace("|", " or ")
+            raise ConfigError(f"{key} = {getattr(cfg, f.name)!r} is not of type {want}",
+                              f"set {key} to a {want} value (strings in TOML need quotes: true/false for booleans)")
+        setattr(cfg, f.name, value)
+
+
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Rank and world size from flags, else from RANK/WORLD_SIZE (accelerate launch, torchrun), else 0/1."""
     r = rank if rank is not None else int(os.environ.get("RANK", 0))
@@ -71,6 +109,7 @@ class RolloutConfig:
             self.resolution = 64 if self.model == TINY_MODEL else 512
 
     def validate(self) -> "RolloutConfig":
+        check_types(self)
         if not self.prompts:
             raise ConfigError("no prompts file given", "pass --prompts FILE (.txt, one prompt a line, or .jsonl)")
         _choice("sampler", self.sampler, SAMPLERS)
@@ -109,6 +148,7 @@ class ScoreConfig:
     world_size: int | None = None
 
     def validate(self) -> "ScoreConfig":
+        check_types(self)
         _choice("branches", self.branches, BRANCHES)
         if not self.rewards:
             raise ConfigError("no reward given", "pass --reward NAME[=WEIGHT], e.g. --reward jpeg-compressibility")
@@ -127,6 +167,7 @@ class AdvantagesConfig:
     std: str = "group"
 
     def validate(self) -> "AdvantagesConfig":
+        check_types(self)
         _choice("method", self.method, METHODS)
         _choice("balance", self.balance, BALANCE)
         _choice("std", self.std, STD_MODES)
@@ -166,6 +207,7 @@ class TrainConfig:
     device: str = "auto"
 
     def validate(self) -> "TrainConfig":
+        check_types(self)
         _choice("mixed_precision", self.mixed_precision, PRECISIONS)
         for name in ("lora_rank", "lora_alpha", "learning_rate", "optimizer_steps", "max_grad_norm", "adv_clip",
                      "clip_range", "max_bad_steps"):
@@ -305,6 +347,10 @@ def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None 
             sections[name] = cls(**body)
         except TypeError as e:
             raise ConfigError(f"{path}: [{name}]: {e}", "check the section's keys and values") from None
+        check_types(sections[name], name)
+    for key, kind in (("name", "str"), ("rounds", "int"), ("out", "str"), ("method", "str"), ("seed", "int")):
+        if key in data and not _type_ok(data[key], kind)[0]:
+            raise ConfigError(f"{path}: {key} = {data[key]!r} is not of type {kind}", f"set {key} to a {kind} value")
     method = data.get("method", "tp-grpo")
     _choice("method", method, METHODS)
     prompts = sections["rollout"].prompts

@@ -10,6 +10,7 @@ Prompt embeddings are stored once per prompt, so score and train never load text
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,13 +179,21 @@ def run(cfg: RolloutConfig) -> dict | None:
     stats = layout.sum_stats(files)
     meta0 = layout.read_shard(files[0], load_tensors=False)[1][0].meta
     return layout.write_manifest(
-        out, "rollout", to_dict(cfg),
+        out, "rollout", to_dict(cfg), rollout_id=rollout_id(cfg),
         inputs={"prompts": str(cfg.prompts), "prompts_sha256": _sha256(Path(cfg.prompts)), "model": cfg.model,
                 "lora": cfg.lora},
         counts={"shards": len(files), **stats.get("counts", {})},
         seconds=stats.get("seconds", {}), window_start=start, sigmas=meta0["sigmas"],
         shards=[f.name for f in files],
     )
+
+
+def rollout_id(cfg: RolloutConfig) -> str:
+    """Identity of a rollout's content (settings and prompts, not where it was written or by how
+    many processes): later stages carry it forward so train can refuse another rollout's advantages."""
+    body = {k: v for k, v in to_dict(cfg).items() if k not in ("out", "rank", "world_size")}
+    body["prompts"] = _sha256(Path(cfg.prompts))
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _sha256(path: Path) -> str:

@@ -241,6 +241,7 @@ def run(cfg: ScoreConfig) -> dict | None:
     stats = layout.sum_stats(files)
     return layout.write_manifest(
         out, "score", to_dict(cfg), inputs={"rollout": str(rollout_dir), "rollout_config": rollout["config"]},
+        rollout_id=rollout.get("rollout_id"),
         counts=stats.get("counts", {}), seconds=stats.get("seconds", {}),
         reward_columns=["reward"] + [r.column for r in rewards], files=[f.name for f in files],
     )

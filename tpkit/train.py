@@ -121,7 +121,10 @@ def run(cfg: TrainConfig) -> dict:
     cfg.validate()
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
     rollout = layout.read_manifest(rollout_dir, "rollout")
-    layout.read_manifest(cfg.advantages, "advantages")
+    adv_manifest = layout.read_manifest(cfg.advantages, "advantages")
+    if adv_manifest.get("rollout_id") and adv_manifest["rollout_id"] != rollout.get("rollout_id"):
+        raise InputError(f"{cfg.advantages} were computed from another rollout than {rollout_dir}",
+                         "pass the rollout folder that was scored for these advantages (same round)")
     adv = read_advantages(Path(cfg.advantages))
     batches, embeds, meta = load_micro_batches(rollout_dir, adv, cfg)
     state_in = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None

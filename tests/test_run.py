@@ -1,0 +1,443 @@
+"""`tpkit run`: recipe parsing (keys, --set values, flow-grpo branches, relative paths), a
+property-based check of overrides, one small end-to-end run (continue, extend, redo a stage,
+refuse a different recipe) and a real SIGKILL in the middle of a run.
+
+The end-to-end runs use tiny-sd3 with 2 prompts x 4 members and a rank-4 LoRA (seconds a round).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import string
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import tomli_w
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tpkit import layout
+from tpkit.config import (AdvantagesConfig, RolloutConfig, ScoreConfig, TrainConfig, apply_override, field_names,
+                          load_recipe)
+from tpkit.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "pipelines" / "tiny-cpu.toml"
+SECTIONS = {"rollout": RolloutConfig, "score": ScoreConfig, "advantages": AdvantagesConfig, "train": TrainConfig}
+TOP = {"name", "rounds", "out", "method", "seed", "rewards", "reward_options"}
+
+
+def config_error(path, overrides=(), **kw) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_recipe(path, list(overrides), **kw)
+    return str(e.value)
+
+
+def write_recipe(folder: Path, text: str, name: str = "r.toml") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    p = folder / name
+    p.write_text(text)
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# Recipe parsing
+# --------------------------------------------------------------------------------------------
+
+
+def test_tiny_cpu_recipe_loads():
+    r = load_recipe(TINY)
+    assert r.name == "tiny-cpu" and r.method == "tp-grpo" and r.rounds >= 1
+    assert r.rollout.model == "tiny-sd3"
+    assert r.score.branches == "all"
+    assert r.advantages.method == "tp-grpo"
+    assert Path(r.rollout.prompts) == (ROOT / "data" / "tiny-prompts.txt").resolve()
+    assert Path(r.rollout.prompts).is_file()
+    assert r.score.rewards and all(isinstance(w, float) for w in r.score.rewards.values())
+    assert isinstance(r.train.learning_rate, float)
+    assert r.rollout.window_range == (0, 9)
+
+
+def test_rounds_and_out_arguments_win():
+    r = load_recipe(TINY, rounds=3, out="/tmp/somewhere")
+    assert r.rounds == 3 and r.out == "/tmp/somewhere"
+
+
+def test_unknown_top_level_key(tmp_path):
+    p = write_recipe(tmp_path, TINY.read_text() + '\nflavour = "vanilla"\n')
+    assert "flavour" in config_error(p)
+    assert "colour" in config_error(TINY, ["colour=1"])
+
+
+def test_unknown_section_key(tmp_path):
+    text = TINY.read_text().replace("[train]\n", "[train]\nlr = 1e-3\n")
+    p = write_recipe(tmp_path, text)
+    assert "train.lr" in config_error(p)
+    assert "train.lr" in config_error(TINY, ["train.lr=1e-3"])
+    assert "rollout.groupsize" in config_error(TINY, ["rollout.groupsize=4"])
+
+
+@pytest.mark.parametrize("key", ["rollout.out", "rollout.lora", "rollout.seed", "score.rollout", "score.rewards",
+                                 "advantages.method", "train.init_lora", "train.out"])
+def test_wired_keys_are_refused(key, tmp_path):
+    msg = config_error(TINY, [f'{key}="x"'])
+    assert key in msg
+    assert "tpkit run" in msg  # the hint says the run wires it
+
+
+def test_wired_key_in_recipe_file(tmp_path):
+    text = TINY.read_text().replace("[rollout]\n", '[rollout]\nout = "somewhere"\n')
+    assert "rollout.out" in config_error(write_recipe(tmp_path, text))
+
+
+@pytest.mark.parametrize("assignment", ["train.learning_rate", "=3", " =3", ""])
+def test_bad_set_syntax(assignment):
+    msg = config_error(TINY, [assignment])
+    assert repr(assignment) in msg or assignment in msg
+    assert "key=value" in msg
+
+
+def test_set_through_a_value_is_refused():
+    assert "train.learning_rate.x" in config_error(TINY, ["train.learning_rate.x=1"])
+
+
+def test_set_values_parse_as_toml():
+    r = load_recipe(TINY, ["rollout.group_size=4", "train.learning_rate=1e-3", "train.ema=true",
+                           'name="my run"', "rollout.window_range=[1, 9]", "rollout.window_size=8",
+                           "train.lora_targets=['to_q', 'to_v']", "method=flow-grpo", "train.beta=0",
+                           "rewards.brightness=2"])
+    assert r.rollout.group_size == 4 and type(r.rollout.group_size) is int
+    assert r.train.learning_rate == 1e-3 and type(r.train.learning_rate) is float
+    assert r.train.ema is True
+    assert r.name == "my run"
+    assert r.rollout.window_range == (1, 9)
+    assert r.train.lora_targets == ["to_q", "to_v"]
+    assert r.method == "flow-grpo"  # a bare string stays a string
+    assert r.train.beta == 0
+    assert r.score.rewards == {"brightness": 2.0}
+
+
+@pytest.mark.parametrize("assignment, key", [
+    ("rollout.group_size=abc", "group_size"),
+    ("train.learning_rate=fast", "learning_rate"),
+    ("rounds=abc", "rounds"),
+    ("train.ema=no", "ema"),  # a bare `no` is the string "no", which would switch EMA *on*
+])
+def test_wrongly_typed_set_values_are_config_errors(assignment, key):
+    """A value of the wrong type is a user error: a ConfigError naming the key, not a traceback."""
+    assert key in config_error(TINY, [assignment])
+
+
+def test_flow_grpo_scores_only_the_final_branch():
+    assert load_recipe(TINY).score.branches == "all"
+    r = load_recipe(TINY, ["method=flow-grpo"])
+    assert r.method == "flow-grpo" and r.advantages.method == "flow-grpo"
+    assert r.score.branches == "final"
+    assert load_recipe(TINY, ["method=flow-grpo", "score.branches=all"]).score.branches == "all"
+    assert "branches" in config_error(TINY, ["score.branches=final"])  # tp-grpo needs every branch
+    assert "method" in config_error(TINY, ["method=ppo"])
+
+
+def test_flow_grpo_in_the_file_with_branches_given(tmp_path):
+    text = TINY.read_text().replace('method = "tp-grpo"', 'method = "flow-grpo"').replace(
+        "[score]\n", '[score]\nbranches = "all"\n')
+    assert load_recipe(write_recipe(tmp_path, text)).score.branches == "all"
+    text = TINY.read_text().replace('method = "tp-grpo"', 'method = "flow-grpo"')
+    assert load_recipe(write_recipe(tmp_path, text)).score.branches == "final"
+
+
+def test_relative_prompts_resolve_against_the_recipe_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "recipes" / "sub"
+    (tmp_path / "recipes" / "prompts.txt").parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "recipes" / "prompts.txt").write_text("a cat\n")
+    text = TINY.read_text().replace('prompts = "../data/tiny-prompts.txt"', 'prompts = "../prompts.txt"')
+    p = write_recipe(folder, text)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    r = load_recipe(Path("..") / "recipes" / "sub" / "r.toml")
+    assert Path(r.rollout.prompts).is_absolute()
+    assert Path(r.rollout.prompts) == (tmp_path / "recipes" / "prompts.txt").resolve()
+    absolute = str((tmp_path / "recipes" / "prompts.txt").resolve())
+    r = load_recipe(write_recipe(folder, TINY.read_text().replace("../data/tiny-prompts.txt", absolute), "abs.toml"))
+    assert r.rollout.prompts == absolute
+
+
+# --------------------------------------------------------------------------------------------
+# Property-based: overrides
+# --------------------------------------------------------------------------------------------
+
+IDENT = st.from_regex(r"[a-z][a-z0-9_]{0,12}", fullmatch=True)
+ALL_FIELDS = {n for cls in SECTIONS.values() for n in field_names(cls)}
+
+
+@st.composite
+def unknown_keys(draw) -> tuple[str, str]:
+    """(dotted key, the prefix the error must name): an unknown top-level key, or an unknown key of a section."""
+    if draw(st.booleans()):
+        name = draw(IDENT.filter(lambda s: s not in TOP and s not in SECTIONS))
+        return name, name
+    section = draw(st.sampled_from(sorted(SECTIONS)))
+    name = draw(IDENT.filter(lambda s, sec=section: s not in field_names(SECTIONS[sec])))
+    key = f"{section}.{name}"
+    if draw(st.booleans()):
+        return key + "." + draw(IDENT), key
+    return key, key
+
+
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(unknown_keys(), st.one_of(st.integers(-5, 5).map(str), st.just("true"), st.just('"x"'), st.just("[1, 2]")))
+def test_unknown_keys_always_name_the_key(key_and_prefix, value):
+    key, prefix = key_and_prefix
+    msg = config_error(TINY, [f"{key}={value}"])
+    assert prefix in msg
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(st.one_of(st.floats(min_value=1e-12, max_value=1e3, allow_nan=False, allow_infinity=False),
+                 st.integers(min_value=1, max_value=10**6)))
+def test_learning_rate_override_round_trips(lr):
+    r = load_recipe(TINY, [f"train.learning_rate={lr!r}"])
+    assert r.train.learning_rate == lr
+    # What `tpkit run` saves as run.toml reads back equal (the continue check depends on it).
+    d = r.to_dict()
+    assert tomllib.loads(tomli_w.dumps(d)) == d
+    assert d["train"]["learning_rate"] == lr
+
+
+@settings(max_examples=30, deadline=None, database=None)
+@given(st.one_of(st.floats(max_value=0, allow_nan=False, allow_infinity=False), st.integers(max_value=0)))
+def test_non_positive_learning_rate_is_refused(lr):
+    assert "learning_rate" in config_error(TINY, [f"train.learning_rate={lr!r}"])
+
+
+TOML_VALUES = st.recursive(
+    st.one_of(st.integers(-10**9, 10**9), st.floats(allow_nan=False), st.booleans(),
+              st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=20)),
+    lambda inner: st.lists(inner, max_size=4), max_leaves=8)
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(st.lists(IDENT, min_size=1, max_size=3), TOML_VALUES)
+def test_apply_override_parses_toml_values(parts, value):
+    """Any value written as TOML comes back as that value, at the dotted key."""
+    rhs = tomli_w.dumps({"v": value}).partition("=")[2].strip()
+    data: dict = {}
+    apply_override(data, f"{'.'.join(parts)}={rhs}")
+    node = data
+    for p in parts[:-1]:
+        node = node[p]
+    assert node == {parts[-1]: value}
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(st.text(string.ascii_letters + "-_/", min_size=1, max_size=20).filter(
+    lambda s: s not in ("true", "false", "inf", "nan", "-inf", "-nan")))
+def test_apply_override_bare_strings(word):
+    data: dict = {"train": {}}
+    apply_override(data, f"train.x={word}")
+    assert data["train"]["x"] == word
+
+
+# --------------------------------------------------------------------------------------------
+# End to end
+# --------------------------------------------------------------------------------------------
+
+ROUND_KEYS = ("reward_mean", "reward_std", "turning_point_rate", "transformer_calls", "seconds")
+
+
+def small_recipe(folder: Path, prompts: Path, rounds: int = 2) -> Path:
+    data = tomllib.loads(TINY.read_text())
+    data["rounds"] = rounds
+    data["rollout"].update(group_size=4, prompts=str(prompts.resolve()))
+    data["train"].update(lora_rank=4, lora_alpha=8)
+    return write_recipe(folder, tomli_w.dumps(data), "small.toml")
+
+
+def files_under(run_dir: Path, *rounds: int) -> dict[str, int]:
+    """{relative path: mtime_ns} of every file under the given rounds' folders."""
+    out = {}
+    for r in rounds:
+        for p in layout.round_dir(run_dir, r).rglob("*"):
+            if p.is_file():
+                out[str(p.relative_to(run_dir))] = p.stat().st_mtime_ns
+    return out
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory, two_prompts) -> dict:
+    """A 2-round run; what the read-only tests look at is captured right after it."""
+    from tpkit.run import run
+
+    base = tmp_path_factory.mktemp("e2e")
+    recipe = small_recipe(base, two_prompts)
+    run_dir = base / "run"
+    lines = run(load_recipe(recipe, out=str(run_dir)))
+    return {
+        "recipe": recipe, "run_dir": run_dir, "lines": lines,
+        "rounds": read_jsonl(run_dir / layout.ROUNDS_FILE),
+        "metrics": {r: read_jsonl(layout.round_dir(run_dir, r) / "train" / layout.METRICS_FILE) for r in (0, 1)},
+        "rollout1": json.loads((layout.round_dir(run_dir, 1) / "rollout" / layout.MANIFEST).read_text()),
+        "report": (run_dir / "report.png").read_bytes(),
+    }
+
+
+def test_rounds_jsonl(e2e):
+    rounds = e2e["rounds"]
+    assert len(rounds) == 2
+    assert [x["round"] for x in rounds] == [0, 1]
+    assert rounds == e2e["lines"]
+    for x in rounds:
+        for k in ROUND_KEYS:
+            assert k in x, k
+        assert x["reward_std"] >= 0 and 0 <= x["turning_point_rate"] <= 1
+        assert x["transformer_calls"] > 0
+        assert {"rollout", "score", "advantages", "train"} <= set(x["seconds"])
+        assert all(v >= 0 for v in x["seconds"].values())
+
+
+def test_report_png(e2e):
+    from PIL import Image
+    import io
+
+    assert e2e["report"].startswith(b"\x89PNG\r\n\x1a\n")
+    img = Image.open(io.BytesIO(e2e["report"]))
+    assert img.format == "PNG" and img.width > 100 and img.height > 100
+
+
+def test_round_one_starts_from_round_zero_with_ratio_one(e2e):
+    """Round 1 samples with round 0's adapter (diffusers' load_lora_weights) and trains from it
+    (peft): on the first step the recomputed log-probs equal the stored ones bit for bit."""
+    adapter0 = layout.round_dir(e2e["run_dir"], 0) / "train" / "adapter"
+    assert Path(e2e["rollout1"]["config"]["lora"]) == adapter0.resolve()
+    for r in (0, 1):
+        first = e2e["metrics"][r][0]
+        assert first["ratio_mean"] == 1.0, (r, first)
+        assert first["clipfrac"] == 0 and first["approx_kl"] == 0
+    assert e2e["metrics"][1][0]["step"] == len(e2e["metrics"][0]) + 1  # global step continues
+
+
+def test_continue_extend_redo_and_refuse(e2e, tmp_path):
+    """Runs after the read-only tests' capture: rerun (nothing redone), rounds=3 (only round 2),
+    a deleted train manifest (only that stage), and a different recipe (refused)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tpkit.run import run
+
+    run_dir, recipe = e2e["run_dir"], e2e["recipe"]
+
+    # 1. The same command again redoes nothing.
+    before = files_under(run_dir, 0, 1)
+    lines = run(load_recipe(recipe, out=str(run_dir)))
+    assert files_under(run_dir, 0, 1) == before
+    assert lines == e2e["rounds"]
+    assert read_jsonl(run_dir / layout.ROUNDS_FILE) == e2e["rounds"]
+
+    # 2. rounds=3 runs only round 2 (from round 1's adapter).
+    lines = run(load_recipe(recipe, rounds=3, out=str(run_dir)))
+    assert files_under(run_dir, 0, 1) == before
+    assert [x["round"] for x in lines] == [0, 1, 2]
+    assert read_jsonl(run_dir / layout.ROUNDS_FILE) == lines
+    assert lines[:2] == e2e["rounds"]
+    for stage in ("rollout", "score", "advantages", "train"):
+        assert (layout.round_dir(run_dir, 2) / stage / layout.MANIFEST).is_file()
+    lora = json.loads((layout.round_dir(run_dir, 2) / "rollout" / layout.MANIFEST).read_text())["config"]["lora"]
+    assert Path(lora) == (layout.round_dir(run_dir, 1) / "train" / "adapter").resolve()
+    m2 = read_jsonl(layout.round_dir(run_dir, 2) / "train" / layout.METRICS_FILE)
+    assert m2[0]["ratio_mean"] == 1.0
+
+    # 3. Without round 1's train manifest, only that stage runs again.
+    before = files_under(run_dir, 0, 1, 2)
+    train1 = layout.round_dir(run_dir, 1) / "train"
+    adapter1 = load_file(train1 / "adapter" / "pytorch_lora_weights.safetensors")
+    (train1 / layout.MANIFEST).unlink()
+    lines = run(load_recipe(recipe, rounds=3, out=str(run_dir)))
+    after = files_under(run_dir, 0, 1, 2)
+    changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    assert changed, "nothing was redone"
+    allowed = {"round-0001/round.json"}
+    assert all(k.startswith("round-0001/train/") or k in allowed for k in changed), sorted(changed)
+    assert "round-0001/train/manifest.json" in after
+    assert "round-0001/train/metrics.jsonl" in changed
+    assert len(lines) == 3 and [x["round"] for x in lines] == [0, 1, 2]
+    assert read_jsonl(train1 / layout.METRICS_FILE)[0]["ratio_mean"] == 1.0
+    # Round 2 was sampled with round 1's adapter: the redone stage reproduces its weights exactly
+    # (tensors, not file bytes: safetensors' header key order varies between writes).
+    adapter1_again = load_file(train1 / "adapter" / "pytorch_lora_weights.safetensors")
+    assert adapter1_again.keys() == adapter1.keys()
+    assert all(torch.equal(adapter1_again[k], adapter1[k]) for k in adapter1)
+
+    # 4. A different recipe on the same folder is refused, and nothing is touched.
+    saved = (run_dir / "run.toml").read_bytes()
+    with pytest.raises(ConfigError) as e:
+        run(load_recipe(recipe, ["train.learning_rate=5e-3"], rounds=3, out=str(run_dir)))
+    assert "train" in str(e.value)
+    assert (run_dir / "run.toml").read_bytes() == saved
+    assert files_under(run_dir, 0, 1, 2) == after
+
+
+# --------------------------------------------------------------------------------------------
+# A real kill
+# --------------------------------------------------------------------------------------------
+
+
+def tpkit_command() -> list[str]:
+    exe = Path(sys.executable).parent / "tpkit"
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "tpkit"]
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.suffix in (".tar", ".parquet")}
+
+
+def test_sigkill_then_rerun_finishes(tmp_path, two_prompts):
+    recipe = small_recipe(tmp_path, two_prompts, rounds=3)
+    run_dir = tmp_path / "run"
+    cmd = [*tpkit_command(), "run", str(recipe), "--out", str(run_dir)]
+    log = (tmp_path / "first.log").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    marker = layout.round_dir(run_dir, 0) / "round.json"
+    deadline = time.monotonic() + 240
+    try:
+        while not marker.is_file():
+            assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "round 0 did not finish in time"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (layout.round_dir(run_dir, 2) / "train" / layout.MANIFEST).exists()  # killed mid-run
+
+    round0 = layout.round_dir(run_dir, 0)
+    kept = digests(round0)
+    assert any(k.endswith(".tar") for k in kept) and any(k.endswith(".parquet") for k in kept)
+    round0_json = marker.read_bytes()
+
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300, env=dict(os.environ))
+    assert done.returncode == 0, done.stdout.decode(errors="replace")[-3000:]
+    assert digests(round0) == kept
+    assert marker.read_bytes() == round0_json
+    rounds = read_jsonl(run_dir / layout.ROUNDS_FILE)
+    assert [x["round"] for x in rounds] == [0, 1, 2]
+    for r in range(3):
+        for stage in ("rollout", "score", "advantages", "train"):
+            assert (layout.round_dir(run_dir, r) / stage / layout.MANIFEST).is_file()
+    assert (run_dir / "report.png").read_bytes().startswith(b"\x89PNG")
+    shutil.rmtree(run_dir, ignore_errors=True)
