@@ -20,6 +20,7 @@ import torch
 from tpkit import formulas, layout
 from tpkit.config import RolloutConfig, to_dict
 from tpkit.layout import EMBED_KEYS, Prompt, PromptRecord, ShardWriter, TrajectoryRecord
+from tpkit.sd3 import png_bytes
 
 
 def derive_seed(*parts) -> int:
@@ -125,7 +126,7 @@ def write_shard(model, cfg: RolloutConfig, prompts: list[Prompt], sigmas: list[f
             tensors = {"states": out.states[n], "velocities": out.velocities[n], "log_probs": out.log_probs[n],
                        "final_latent": out.final[n]}
             meta = trajectory_meta(cfg, p, m, seeds[n], start, sigmas, f"{shard:05d}-{b // cfg.batch_size:04d}", n)
-            writer.add_trajectory(TrajectoryRecord(meta, tensors, _png(images[n])))
+            writer.add_trajectory(TrajectoryRecord(meta, tensors, png_bytes(images[n])))
         advance(len(batch))
     t0 = time.perf_counter()
     writer.write(path)
@@ -134,12 +135,6 @@ def write_shard(model, cfg: RolloutConfig, prompts: list[Prompt], sigmas: list[f
                    "decodes": len(jobs)},
         "seconds": {"encode": t_encode, "sample": t_sample, "decode": t_decode, "write": time.perf_counter() - t0},
     }
-
-
-def _png(image) -> bytes:
-    from tpkit.sd3 import png_bytes
-
-    return png_bytes(image)
 
 
 def run(cfg: RolloutConfig) -> dict | None:

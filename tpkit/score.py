@@ -77,7 +77,7 @@ class BranchScorer:
     def score_shard(self, prompts: dict[str, PromptRecord], trajs: list[TrajectoryRecord], branches: str,
                     advance=lambda n: None) -> dict[tuple[int, int], dict[str, float]]:
         """{(trajectory index, k): {column: value}} for k = 0..K (or only K with branches='final')."""
-        cfg, model, c = self.cfg, self.model, self.counters
+        cfg, c = self.cfg, self.counters
         K = trajs[0].meta["window_size"]
         futures: list[Future] = []
         # R_K: the trajectory's own final image, already decoded by rollout.

@@ -212,7 +212,6 @@ def run(cfg: TrainConfig) -> dict:
             seconds={"train": time.perf_counter() - t_start}, last_metrics=metrics[-1] if metrics else {},
         )
     accelerator.wait_for_everyone()
-    accelerator.end_training() if hasattr(accelerator, "end_training") else None
     return manifest or {}
 
 
