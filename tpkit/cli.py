@@ -71,6 +71,7 @@ def score(
     rollout_dir: Path = typer.Argument(..., metavar="ROLLOUT_DIR", help="Folder written by `tpkit rollout`."),
     out: Path = typer.Option(..., "--out", help="Output folder for scores Parquet and manifest.json."),
     reward: List[str] = typer.Option(["jpeg-compressibility"], help="NAME[=WEIGHT], repeatable; or module:function."),
+    reward_opt: List[str] = typer.Option([], help="NAME.OPTION=VALUE for a reward's model paths etc. (repeatable)."),
     branches: str = typer.Option("all", help="all: R_0..R_K (TP-GRPO); final: only R_K (Flow-GRPO)."),
     batch_size: int = typer.Option(16, help="Branches per transformer batch (CFG doubles it)."),
     decode_batch_size: int = typer.Option(8, help="Images per VAE decode and reward call."),
@@ -78,10 +79,11 @@ def score(
 ) -> None:
     """Reward of the ODE completion from every cached window state (Parquet)."""
     from tpkit import score as stage
-    from tpkit.config import ScoreConfig, parse_reward_specs
+    from tpkit.config import ScoreConfig, parse_reward_options, parse_reward_specs
     from tpkit.show import manifest_summary, scores_view
 
-    cfg = ScoreConfig(rollout=str(rollout_dir), out=str(out), rewards=parse_reward_specs(reward), branches=branches,
+    cfg = ScoreConfig(rollout=str(rollout_dir), out=str(out), rewards=parse_reward_specs(reward),
+                      reward_options=parse_reward_options(reward_opt), branches=branches,
                       batch_size=batch_size, decode_batch_size=decode_batch_size, device=device, dtype=dtype,
                       rank=rank, world_size=world_size)
     manifest = stage.run(cfg)

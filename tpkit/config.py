@@ -224,6 +224,18 @@ class TrainConfig:
         return self
 
 
+def parse_reward_options(specs: list[str]) -> dict[str, dict[str, Any]]:
+    """['pickscore.model=/models/ps', 'ocr.x=1'] -> {'pickscore': {'model': '/models/ps'}, 'ocr': {'x': 1}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        key, sep, value = spec.partition("=")
+        name, dot, option = key.strip().rpartition(".")
+        if not sep or not dot or not name or not option:
+            raise ConfigError(f"--reward-opt {spec!r} is not NAME.OPTION=VALUE", "use e.g. --reward-opt pickscore.model=/models/PickScore_v1")
+        out.setdefault(name, {})[option] = parse_value(value.strip())
+    return out
+
+
 def parse_reward_specs(specs: list[str]) -> dict[str, float]:
     """['pickscore', 'ocr=0.5'] -> {'pickscore': 1.0, 'ocr': 0.5}."""
     out: dict[str, float] = {}
@@ -263,7 +275,7 @@ _WIRED = {
     "train": {"rollout", "advantages", "out", "init_lora", "seed"},
 }
 _SECTIONS = {"rollout": RolloutConfig, "score": ScoreConfig, "advantages": AdvantagesConfig, "train": TrainConfig}
-_TOP = {"name", "rounds", "out", "method", "seed", "rewards", "reward_options"}
+_TOP = {"name", "rounds", "out", "method", "seed", "rewards"}
 
 
 @dataclass
@@ -284,14 +296,16 @@ class Recipe:
             return {k: clean(v) if isinstance(v, dict) else (list(v) if isinstance(v, tuple) else v)
                     for k, v in d.items() if v is not None}
 
+        rewards = {k: ({"weight": w, **self.score.reward_options[k]} if self.score.reward_options.get(k) else w)
+                   for k, w in self.score.rewards.items()}
         d = {"name": self.name, "rounds": self.rounds, "out": self.out, "method": self.method, "seed": self.seed,
-             "rewards": dict(self.score.rewards), "reward_options": dict(self.score.reward_options)}
+             "rewards": rewards}
         for section, cls in _SECTIONS.items():
             d[section] = {k: v for k, v in asdict(getattr(self, section)).items() if k not in _WIRED[section]}
         return clean(d)
 
 
-def _parse_value(text: str) -> Any:
+def parse_value(text: str) -> Any:
     """A --set value as TOML (numbers, booleans, arrays, quoted strings), else the bare string."""
     import tomllib
 
@@ -312,7 +326,28 @@ def apply_override(data: dict, assignment: str) -> None:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {key}: {p} is not a section", "check the key against the recipe")
-    node[parts[-1]] = _parse_value(value.strip())
+    node[parts[-1]] = parse_value(value.strip())
+
+
+def _recipe_rewards(rewards: Any, path: Path) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """[rewards] maps a name to its weight, or to a table with `weight` and the reward's options:
+    pickscore = 1.0   or   [rewards.pickscore] weight = 1.0, model = "/models/PickScore_v1"."""
+    fix = 'write e.g. [rewards] pickscore = 1.0, or [rewards.pickscore] with weight = 1.0 and its options'
+    if not isinstance(rewards, dict) or not rewards:
+        raise ConfigError(f"{path}: [rewards] must name at least one reward", fix)
+    weights, options = {}, {}
+    for name, v in rewards.items():
+        if isinstance(v, dict):
+            v = dict(v)
+            weight = v.pop("weight", 1.0)
+            if v:
+                options[name] = v
+        else:
+            weight = v
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ConfigError(f"{path}: rewards.{name} weight {weight!r} is not a number", fix)
+        weights[name] = float(weight)
+    return weights, options
 
 
 def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None = None, out: str | None = None) -> Recipe:
@@ -356,11 +391,8 @@ def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None 
     prompts = sections["rollout"].prompts
     if prompts and not Path(prompts).is_absolute():
         sections["rollout"].prompts = str((path.parent / prompts).resolve())
-    rewards = data.get("rewards", {"jpeg-compressibility": 1.0})
-    if not isinstance(rewards, dict) or not all(isinstance(v, (int, float)) for v in rewards.values()):
-        raise ConfigError(f"{path}: [rewards] must map reward names to weights", 'e.g. [rewards] then "jpeg-compressibility" = 1.0')
-    sections["score"].rewards = {k: float(v) for k, v in rewards.items()}
-    sections["score"].reward_options = data.get("reward_options", {})
+    weights, options = _recipe_rewards(data.get("rewards", {"jpeg-compressibility": 1.0}), path)
+    sections["score"].rewards, sections["score"].reward_options = weights, options
     if "branches" not in data.get("score", {}):
         sections["score"].branches = "all" if method == "tp-grpo" else "final"  # flow-grpo needs only R_K
     sections["advantages"].method = method

@@ -52,12 +52,51 @@ def brightness(options: dict) -> RewardFn:
     return score
 
 
-# name -> (factory, what it needs)
+def _lazy(module: str, factory: str) -> Callable[[dict], RewardFn]:
+    """A factory living in tpkit.<module>, imported only when that reward is used (keeps the CLI fast)."""
+
+    def build(options: dict) -> RewardFn:
+        return getattr(importlib.import_module(f"tpkit.{module}"), factory)(options)
+
+    return build
+
+
+# name -> (factory, what it needs). A factory takes the reward's options (dict) and returns the
+# callable; it loads its models at once, so a missing model fails before any work starts.
 BUILTIN: dict[str, tuple[Callable[[dict], RewardFn], str]] = {
     "jpeg-compressibility": (jpeg_compressibility, "nothing: minus the JPEG size in kB (quality 95), as in DDPO"),
     "jpeg-incompressibility": (jpeg_incompressibility, "nothing: the JPEG size in kB (quality 95), as in DDPO"),
     "brightness": (brightness, "nothing: mean luma in [0, 1] (a smoke-test reward a tiny model can learn fast)"),
+    "pickscore": (_lazy("clip_rewards", "pickscore"),
+                  "PickScore: yuvalkirstain/PickScore_v1 + processor laion/CLIP-ViT-H-14-laion2B-s32B-b79K "
+                  "(options: model, processor, scale)"),
+    "clipscore": (_lazy("clip_rewards", "clipscore"),
+                  "CLIP ViT-L/14: openai/clip-vit-large-patch14 (options: model, weight)"),
+    "aesthetic": (_lazy("clip_rewards", "aesthetic"),
+                  "LAION aesthetic predictor v2: CLIP ViT-L/14 + its MLP head weights "
+                  "(options: model, head = file path or repo_id:filename)"),
+    "ocr": (_lazy("ocr", "ocr"),
+            "nothing to download: rapidocr + onnxruntime (PP-OCR weights ship in the wheel), rapidfuzz"),
+    "geneval": (_lazy("geneval", "geneval_reward"),
+                "a Mask2Former COCO instance detector + CLIP ViT-L/14 colour classifier; prompts need GenEval "
+                "metadata (options: detector, clip)"),
 }
+
+
+def take_options(reward: str, options: dict, defaults: dict) -> dict:
+    """The reward's options over its defaults; an unknown option is an error naming the valid ones."""
+    unknown = set(options) - set(defaults)
+    if unknown:
+        raise RewardError(f"reward {reward!r} has no option {sorted(unknown)[0]!r}",
+                          f"valid options: {', '.join(sorted(defaults)) or 'none'}")
+    return {**defaults, **options}
+
+
+def reward_device():
+    """Where reward models run: this process's GPU if there is one, else the CPU."""
+    from tpkit.sd3 import pick_device
+
+    return pick_device("auto")
 
 
 @dataclass

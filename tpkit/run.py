@@ -60,8 +60,8 @@ def wait_for(path: Path, what: str, poll: float = 2.0) -> None:
         time.sleep(poll)
 
 
-def run_round(recipe: Recipe, run_dir: Path, r: int) -> dict | None:
-    """Run (or finish) round r; returns its summary line (on the main process)."""
+def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | None:
+    """Run (or finish) round r with the already built rewards; returns its summary line (main process)."""
     from tpkit import advantages, rollout, score, train
     from tpkit.config import resolve_rank
     from tpkit.ui import console
@@ -83,7 +83,7 @@ def run_round(recipe: Recipe, run_dir: Path, r: int) -> dict | None:
     # 2. Score every branch (or only R_K for flow-grpo).
     if not done("score"):
         cfg = dataclasses.replace(recipe.score, rollout=str(d["rollout"]), out=str(d["score"]))
-        _, seconds["score"] = _timed(score.run, cfg)
+        _, seconds["score"] = _timed(lambda c: score.run(c, rewards), cfg)
         wait_for(d["score"] / layout.MANIFEST, "score")
     # 3. Advantages (one process; it is cheap).
     if not done("advantages"):
@@ -147,10 +147,10 @@ def run(recipe: Recipe) -> list[dict]:
 
     # 1. The run folder and its recipe (refusing a different recipe for an existing run).
     from tpkit.config import resolve_rank
-    from tpkit.rewards import check_names
+    from tpkit.rewards import load_rewards
 
     rank, world = resolve_rank(None, None)
-    check_names(recipe.score.rewards)
+    rewards = load_rewards(recipe.score.rewards, recipe.score.reward_options)  # once, and before any rollout
     run_dir = Path(recipe.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     if rank == 0:
@@ -165,7 +165,7 @@ def run(recipe: Recipe) -> list[dict]:
         elapsed = time.perf_counter() - t0
         console.rule(f"[bold]round {r + 1}/{recipe.rounds}[/] ({recipe.method}, {run_dir})"
                      + (f"  elapsed {elapsed:.0f}s" if elapsed > 1 else ""))
-        if run_round(recipe, run_dir, r) is None:
+        if run_round(recipe, run_dir, r, rewards) is None:
             wait_for(layout.round_dir(run_dir, r) / ROUND_JSON, f"round {r}")
             continue
         # 3. After every round (main process): rounds.jsonl and report.png.

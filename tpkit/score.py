@@ -177,8 +177,11 @@ def check_finite(rows: list[dict], shard: Path) -> None:
                           + (" ..." if len(bad) > 8 else ""), "fix the reward function; nothing was written for this shard")
 
 
-def run(cfg: ScoreConfig) -> dict | None:
-    """Score (or finish scoring) a rollout folder. Returns the manifest once every shard is scored."""
+def run(cfg: ScoreConfig, rewards: list[Reward] | None = None) -> dict | None:
+    """Score (or finish scoring) a rollout folder. Returns the manifest once every shard is scored.
+
+    `rewards`: already built rewards (`tpkit run` builds them once for all rounds), else built
+    here from cfg.rewards / cfg.reward_options."""
     import pyarrow as pa
 
     from tpkit import sd3
@@ -192,7 +195,7 @@ def run(cfg: ScoreConfig) -> dict | None:
     if len(shards) != rollout["counts"]["shards"]:
         raise InputError(f"{rollout_dir}: {len(shards)} shards, the manifest lists {rollout['counts']['shards']}",
                          "rerun `tpkit rollout` with the same options to restore the missing shards")
-    rewards = load_rewards(cfg.rewards, cfg.reward_options)
+    rewards = rewards or load_rewards(cfg.rewards, cfg.reward_options)
 
     # 2. This rank's shards that have no scores yet.
     def target(shard: Path) -> Path:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tpkit import hub
 from tpkit.config import TINY_MODEL
 from tpkit.errors import ModelError
 
@@ -240,14 +241,8 @@ def load(model: str, device: str = "auto", dtype: str = "auto", text_encoders: b
         "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")}
     if not vae:
         skip["vae"] = None
-    try:
-        pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dt, **skip)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(
-            f"cannot load model {model!r}: {first[:200]}",
-            f"download it first (`hf download {model}`) or pass a local folder with --model; "
-            f"`--model {TINY_MODEL}` needs nothing") from None
+    pipe = hub.load(StableDiffusion3Pipeline.from_pretrained, path, "model",
+                    f"pass a local folder with --model (`--model {TINY_MODEL}` needs nothing)", dtype=dt, **skip)
     pipe.to(dev)
     pipe.set_progress_bar_config(disable=True)
     for m in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):  # frozen

@@ -1,0 +1,61 @@
+"""Loading pretrained models by hub id or local folder, failing fast and clearly when offline.
+
+`from_pretrained` of a hub id that is not cached retries the network for about a minute before
+it gives up; on a cluster node without internet that is a minute per model, then a long
+traceback. `load` tries the local folder or cache first, checks in a second whether the hub can
+be reached at all, and otherwise raises a ModelError that says what to download.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+from tpkit.errors import ModelError
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Can we open a TCP connection to the hub endpoint? False at once when offline mode is set."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]
+
+
+def load(loader: Callable[..., Any], id_or_path: str, what: str, fix: str, **kwargs) -> Any:
+    """loader(id_or_path, **kwargs), e.g. CLIPModel.from_pretrained, with a clear error.
+
+    what: e.g. "PickScore model"; fix: how to point tpkit at a local copy, e.g.
+    "--reward-opt pickscore.model=PATH".
+    """
+    download = f"download it with `hf download {id_or_path}` (or copy the folder here) and rerun, or {fix}"
+    if Path(id_or_path).exists():
+        try:
+            return loader(id_or_path, **kwargs)
+        except (OSError, ValueError) as e:
+            raise ModelError(f"cannot load {what} from {id_or_path}: {_first_line(e)}", fix) from None
+    try:
+        return loader(id_or_path, local_files_only=True, **kwargs)  # already in the HF cache
+    except (OSError, ValueError):
+        pass
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", id_or_path):
+        raise ModelError(f"{what} {id_or_path!r}: no such folder, and not a hub id (org/name)", fix)
+    if not hub_reachable():
+        raise ModelError(f"{what} {id_or_path!r} is not downloaded and the hub cannot be reached", download)
+    try:
+        return loader(id_or_path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load {what} {id_or_path!r}: {_first_line(e)}", download) from None
