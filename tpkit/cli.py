@@ -75,6 +75,7 @@ def score(
     branches: str = typer.Option("all", help="all: R_0..R_K (TP-GRPO); final: only R_K (Flow-GRPO)."),
     batch_size: int = typer.Option(16, help="Branches per transformer batch (CFG doubles it)."),
     decode_batch_size: int = typer.Option(8, help="Images per VAE decode and reward call."),
+    reward_workers: int = typer.Option(1, help="Threads scoring images while the transformer runs (0: inline)."),
     device: str = _DEVICE, dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
 ) -> None:
     """Reward of the ODE completion from every cached window state (Parquet)."""
@@ -84,7 +85,7 @@ def score(
 
     cfg = ScoreConfig(rollout=str(rollout_dir), out=str(out), rewards=parse_reward_specs(reward),
                       reward_options=parse_reward_options(reward_opt), branches=branches,
-                      batch_size=batch_size, decode_batch_size=decode_batch_size, device=device, dtype=dtype,
+                      batch_size=batch_size, decode_batch_size=decode_batch_size, reward_workers=reward_workers, device=device, dtype=dtype,
                       rank=rank, world_size=world_size)
     manifest = stage.run(cfg)
 

@@ -142,6 +142,7 @@ class ScoreConfig:
     branches: str = "all"
     batch_size: int = 16  # branches per transformer batch (CFG doubles it)
     decode_batch_size: int = 8
+    reward_workers: int = 1  # threads scoring images while the transformer runs; 0: score inline
     dtype: str = "auto"
     device: str = "auto"
     rank: int | None = None
@@ -154,6 +155,7 @@ class ScoreConfig:
             raise ConfigError("no reward given", "pass --reward NAME[=WEIGHT], e.g. --reward jpeg-compressibility")
         for name in ("batch_size", "decode_batch_size"):
             _positive(name, getattr(self, name))
+        _positive("reward_workers", self.reward_workers, allow_zero=True)
         self.rank, self.world_size = resolve_rank(self.rank, self.world_size)
         return self
 

@@ -61,18 +61,28 @@ class BranchScorer:
 
     def __init__(self, model, rewards: list[Reward], cfg: ScoreConfig):
         self.model, self.rewards, self.cfg = model, rewards, cfg
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpkit-reward")
+        self.pool = ThreadPoolExecutor(max_workers=cfg.reward_workers, thread_name_prefix="tpkit-reward") \
+            if cfg.reward_workers else None
         self.counters = Counters()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        if self.pool:
+            self.pool.shutdown(wait=True)
 
     def _score_async(self, keys: list[tuple[int, int]], images: list, trajs: list[TrajectoryRecord],
                      prompts: dict[str, PromptRecord]) -> Future:
         texts = [trajs[n].meta["prompt"] for n, _ in keys]
         metas = [prompts[trajs[n].meta["prompt_id"]].metadata for n, _ in keys]
         self.counters.reward_calls += len(keys)
-        return self.pool.submit(lambda: (keys, score_images(self.rewards, [_pil(im) for im in images], texts, metas)))
+
+        def work():
+            return keys, score_images(self.rewards, [_pil(im) for im in images], texts, metas)
+
+        if self.pool:
+            return self.pool.submit(work)
+        done: Future = Future()  # inline: the transformer waits while the reward runs
+        done.set_result(work())
+        return done
 
     def score_shard(self, prompts: dict[str, PromptRecord], trajs: list[TrajectoryRecord], branches: str,
                     advance=lambda n: None) -> dict[tuple[int, int], dict[str, float]]:
