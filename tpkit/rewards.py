@@ -69,12 +69,12 @@ BUILTIN: dict[str, tuple[Callable[[dict], RewardFn], str]] = {
     "brightness": (brightness, "nothing: mean luma in [0, 1] (a smoke-test reward a tiny model can learn fast)"),
     "pickscore": (_lazy("clip_rewards", "pickscore"),
                   "PickScore: yuvalkirstain/PickScore_v1 + processor laion/CLIP-ViT-H-14-laion2B-s32B-b79K "
-                  "(options: model, processor, scale)"),
+                  "(options: model, processor, scale = 1/26 for the reference's training scale, batch_size, dtype)"),
     "clipscore": (_lazy("clip_rewards", "clipscore"),
-                  "CLIP ViT-L/14: openai/clip-vit-large-patch14 (options: model, weight)"),
+                  "CLIP ViT-L/14: openai/clip-vit-large-patch14 (options: model, weight, batch_size, dtype)"),
     "aesthetic": (_lazy("clip_rewards", "aesthetic"),
                   "LAION aesthetic predictor v2: CLIP ViT-L/14 + its MLP head weights "
-                  "(options: model, head = file path or repo_id:filename)"),
+                  "(options: model, head = file path or repo_id:filename, batch_size, dtype)"),
     "ocr": (_lazy("ocr", "ocr"),
             "nothing to download: rapidocr + onnxruntime (PP-OCR weights ship in the wheel), rapidfuzz"),
     "geneval": (_lazy("geneval", "geneval_reward"),
