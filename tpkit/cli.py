@@ -181,6 +181,65 @@ def run_recipe(
         _done(Path(r.out))
 
 
+eval_app = typer.Typer(help="Evaluate a model (+ LoRA) on held-out prompts.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+
+
+def _eval(kind: str, model: str, lora: Optional[Path], prompts: Optional[Path], out: Path, images: Optional[Path],
+          reward: list[str], reward_opt: list[str], images_per_prompt: int, steps: int, guidance: float,
+          resolution: Optional[int], seed: int, batch_size: int, device: str, dtype: str, rank, world_size) -> None:
+    from tpkit import evaluate
+    from tpkit.config import parse_reward_options, parse_reward_specs
+    from tpkit.show import eval_view
+
+    cfg = evaluate.EvalConfig(
+        kind=kind, model=model, lora=str(lora) if lora else None, prompts=str(prompts) if prompts else "", out=str(out),
+        images=str(images) if images else None, rewards=parse_reward_specs(reward) if reward else {},
+        reward_options=parse_reward_options(reward_opt), images_per_prompt=images_per_prompt, steps=steps,
+        guidance=guidance, resolution=resolution, seed=seed, batch_size=batch_size, device=device, dtype=dtype,
+        rank=rank, world_size=world_size)
+    _finished(evaluate.run(cfg), out, eval_view)
+
+
+@eval_app.command("reward")
+def eval_reward(
+    prompts: Path = typer.Option(..., "--prompts", help="Test prompts: .txt or .jsonl."),
+    out: Path = typer.Option(..., "--out", help="Output folder: images/, results.jsonl, summary.json, grid.png."),
+    reward: List[str] = typer.Option(..., help="NAME[=WEIGHT], repeatable; or module:function."),
+    reward_opt: List[str] = typer.Option([], help="NAME.OPTION=VALUE (repeatable)."),
+    model: str = typer.Option(TINY_MODEL, help="Hub id, local folder, or tiny-sd3."),
+    lora: Optional[Path] = typer.Option(None, help="LoRA adapter folder (e.g. runs/NAME/round-NNNN/train/adapter)."),
+    images: Optional[Path] = typer.Option(None, help="Score this folder of images (GenEval layout) instead of generating."),
+    images_per_prompt: int = typer.Option(4), steps: int = typer.Option(40, help="ODE steps."),
+    guidance: float = typer.Option(4.5), resolution: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
+    batch_size: int = typer.Option(8), device: str = _DEVICE, dtype: str = _DTYPE,
+    rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
+) -> None:
+    """Mean ± std (overall and per prompt) of any reward over a test set, with an image grid."""
+    _eval("reward", model, lora, prompts, out, images, reward, reward_opt, images_per_prompt, steps, guidance,
+          resolution, seed, batch_size, device, dtype, rank, world_size)
+
+
+@eval_app.command("geneval")
+def eval_geneval(
+    out: Path = typer.Option(..., "--out", help="Output folder: images/, results.jsonl, summary.json, grid-<task>.png."),
+    metadata: Optional[Path] = typer.Option(None, help="GenEval evaluation_metadata.jsonl (default: tpkit's own set)."),
+    detector: Optional[str] = typer.Option(None, help="Detector id or folder (default Mask2Former Swin-S COCO)."),
+    clip: Optional[str] = typer.Option(None, help="CLIP for colours (default openai/clip-vit-large-patch14)."),
+    model: str = typer.Option(TINY_MODEL, help="Hub id, local folder, or tiny-sd3."),
+    lora: Optional[Path] = typer.Option(None, help="LoRA adapter folder."),
+    images: Optional[Path] = typer.Option(None, help="Judge this folder of images (GenEval layout) instead of generating."),
+    images_per_prompt: int = typer.Option(4), steps: int = typer.Option(40, help="ODE steps."),
+    guidance: float = typer.Option(4.5), resolution: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
+    batch_size: int = typer.Option(8), device: str = _DEVICE, dtype: str = _DTYPE,
+    rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
+) -> None:
+    """The GenEval protocol: accuracy per task and overall (unweighted mean of the 6 tasks)."""
+    opts = [f"geneval.{k}={v}" for k, v in (("detector", detector), ("clip", clip)) if v]
+    _eval("geneval", model, lora, metadata, out, images, [], opts, images_per_prompt, steps, guidance,
+          resolution, seed, batch_size, device, dtype, rank, world_size)
+
+
 @app.command()
 def inspect(path: Path = typer.Argument(..., help="A stage folder, a .tar shard or a .parquet file.")) -> None:
     """Readable summary of a stage folder, a shard or a Parquet file."""

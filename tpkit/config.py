@@ -176,6 +176,46 @@ class AdvantagesConfig:
         return self
 
 
+@dataclass
+class EvalConfig:
+    kind: str = "reward"  # reward | geneval
+    model: str = TINY_MODEL
+    lora: str | None = None
+    prompts: str = ""  # .txt/.jsonl; for geneval GenEval metadata jsonl
+    out: str = ""
+    images: str | None = None  # score this GenEval-layout folder instead of generating
+    rewards: dict[str, float] = field(default_factory=dict)
+    reward_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    images_per_prompt: int = 4
+    steps: int = 40
+    guidance: float = 4.5
+    resolution: int | None = None
+    seed: int = 0
+    batch_size: int = 8
+    max_sequence_length: int = 256
+    grid_prompts: int = 8  # prompts shown per grid PNG
+    dtype: str = "auto"
+    device: str = "auto"
+    rank: int | None = None
+    world_size: int | None = None
+
+    def validate(self) -> "EvalConfig":
+        check_types(self)
+        if self.kind not in ("reward", "geneval"):
+            raise ConfigError(f"unknown evaluation {self.kind!r}", "use `tpkit eval reward` or `tpkit eval geneval`")
+        if self.kind == "reward" and not self.rewards:
+            raise ConfigError("no reward given", "pass --reward NAME[=WEIGHT], e.g. --reward pickscore")
+        for name in ("images_per_prompt", "steps", "batch_size", "grid_prompts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} = {getattr(self, name)} must be >= 1", f"set {name} to a positive value")
+        if self.resolution is None:
+            self.resolution = 64 if self.model == TINY_MODEL else 512
+        if self.lora:
+            self.lora = str(Path(self.lora).expanduser().resolve())
+        self.rank, self.world_size = resolve_rank(self.rank, self.world_size)
+        return self
+
+
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 
@@ -275,9 +315,11 @@ _WIRED = {
     "score": {"rollout", "out", "rewards", "reward_options", "rank", "world_size"},
     "advantages": {"scores", "out", "method"},
     "train": {"rollout", "advantages", "out", "init_lora", "seed"},
+    "eval": {"model", "lora", "out", "images", "resolution", "rank", "world_size"},
 }
-_SECTIONS = {"rollout": RolloutConfig, "score": ScoreConfig, "advantages": AdvantagesConfig, "train": TrainConfig}
-_TOP = {"name", "rounds", "out", "method", "seed", "rewards"}
+_SECTIONS = {"rollout": RolloutConfig, "score": ScoreConfig, "advantages": AdvantagesConfig, "train": TrainConfig,
+             "eval": EvalConfig}
+_TOP = {"name", "rounds", "out", "method", "seed", "rewards", "eval_every"}
 
 
 @dataclass
@@ -291,6 +333,8 @@ class Recipe:
     score: ScoreConfig
     advantages: AdvantagesConfig
     train: TrainConfig
+    eval: EvalConfig
+    eval_every: int = 0  # evaluate the adapter every N rounds (0: never), logged in rounds.jsonl
 
     def to_dict(self) -> dict:
         """The resolved recipe, as saved in run.toml (None values dropped: TOML has no null)."""
@@ -301,7 +345,7 @@ class Recipe:
         rewards = {k: ({"weight": w, **self.score.reward_options[k]} if self.score.reward_options.get(k) else w)
                    for k, w in self.score.rewards.items()}
         d = {"name": self.name, "rounds": self.rounds, "out": self.out, "method": self.method, "seed": self.seed,
-             "rewards": rewards}
+             "rewards": rewards, "eval_every": self.eval_every}
         for section, cls in _SECTIONS.items():
             d[section] = {k: v for k, v in asdict(getattr(self, section)).items() if k not in _WIRED[section]}
         return clean(d)
@@ -385,7 +429,8 @@ def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None 
         except TypeError as e:
             raise ConfigError(f"{path}: [{name}]: {e}", "check the section's keys and values") from None
         check_types(sections[name], name)
-    for key, kind in (("name", "str"), ("rounds", "int"), ("out", "str"), ("method", "str"), ("seed", "int")):
+    for key, kind in (("name", "str"), ("rounds", "int"), ("out", "str"), ("method", "str"), ("seed", "int"),
+                      ("eval_every", "int")):
         if key in data and not _type_ok(data[key], kind)[0]:
             raise ConfigError(f"{path}: {key} = {data[key]!r} is not of type {kind}", f"set {key} to a {kind} value")
     method = data.get("method", "tp-grpo")
@@ -398,11 +443,20 @@ def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None 
     if "branches" not in data.get("score", {}):
         sections["score"].branches = "all" if method == "tp-grpo" else "final"  # flow-grpo needs only R_K
     sections["advantages"].method = method
+    ev = sections["eval"]
+    ev.model, ev.resolution = sections["rollout"].model, sections["rollout"].resolution
+    if ev.kind == "reward" and not ev.rewards:  # by default, evaluate what is trained
+        ev.rewards, ev.reward_options = dict(weights), dict(options)
+    if ev.prompts and not Path(ev.prompts).is_absolute():
+        ev.prompts = str((path.parent / ev.prompts).resolve())
     recipe = Recipe(
         name=str(data.get("name", path.stem)), rounds=int(rounds if rounds is not None else data.get("rounds", 1)),
         out=str(out or data.get("out") or Path("runs") / path.stem), method=method, seed=int(data.get("seed", 0)),
-        **sections,
+        eval_every=int(data.get("eval_every", 0)), **sections,
     )
+    _positive("eval_every", recipe.eval_every, allow_zero=True)
+    if recipe.eval_every:
+        recipe.eval.validate()
     _positive("rounds", recipe.rounds)
     recipe.rollout.prompts = recipe.rollout.prompts or ""
     recipe.rollout.validate()

@@ -19,6 +19,10 @@ from tpkit.errors import ConfigError
 RUN_TOML, ROUND_JSON = "run.toml", "round.json"
 
 
+def eval_dir(run_dir: Path, r: int) -> Path:
+    return layout.round_dir(run_dir, r) / "eval"
+
+
 def stage_dirs(run_dir: Path, r: int) -> dict[str, Path]:
     base = layout.round_dir(run_dir, r)
     return {s: base / s for s in ("rollout", "score", "advantages", "train")}
@@ -98,6 +102,13 @@ def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | No
                                   init_lora=str(prev_adapter) if prev_adapter else None)
         _, seconds["train"] = _timed(train.run, cfg)  # all processes: data-parallel under accelerate
         wait_for(d["train"] / layout.MANIFEST, "train")
+    # 5. Every eval_every rounds: held-out evaluation of this round's adapter.
+    if recipe.eval_every and (r + 1) % recipe.eval_every == 0 and not (eval_dir(run_dir, r) / layout.MANIFEST).is_file():
+        from tpkit import evaluate
+
+        cfg = dataclasses.replace(recipe.eval, out=str(eval_dir(run_dir, r)), lora=str(d["train"] / train.ADAPTER))
+        _, seconds["eval"] = _timed(evaluate.run, cfg)
+        wait_for(eval_dir(run_dir, r) / layout.MANIFEST, "eval")
     if rank != 0:
         return None
 
@@ -127,7 +138,19 @@ def round_summary(run_dir: Path, r: int, seconds: dict) -> dict:
         "reward_calls": m["score"]["counts"].get("reward_calls", 0),
         "seconds": {**old_seconds, **{k: round(v, 2) for k, v in seconds.items()}},
         "train": {k: m["train"].get("last_metrics", {}).get(k) for k in ("loss", "ratio_mean", "clipfrac", "grad_norm")},
+        "eval": _eval_summary(eval_dir(run_dir, r)),
     }
+
+
+def _eval_summary(folder: Path) -> dict | None:
+    """The headline numbers of a round's evaluation, if it had one."""
+    if not (folder / layout.MANIFEST).is_file():
+        return None
+    m = json.loads((folder / layout.MANIFEST).read_text())
+    s = m["summary"]
+    if m["stage"] == "eval-geneval":
+        return {"geneval_overall": s["overall"], **{f"geneval_{t}": v["accuracy"] for t, v in s["tasks"].items()}}
+    return {c: v["mean"] for c, v in s["overall"].items()}
 
 
 def write_rounds(run_dir: Path, rounds: int) -> list[dict]:

@@ -144,6 +144,24 @@ def rounds_view(lines: list[dict]) -> None:
     console.print(t)
 
 
+def eval_view(manifest: dict) -> None:
+    """The summary of `tpkit eval reward|geneval`."""
+    summ = manifest["summary"]
+    if manifest["stage"] == "eval-geneval":
+        t = Table(title=f"GenEval: overall {summ['overall']:.1%} ({summ['images']} images)", title_justify="left")
+        for c in ("task", "accuracy", "images", "mean dense score"):
+            t.add_column(c, justify="right")
+        for task, v in summ["tasks"].items():
+            t.add_row(task, f"{v['accuracy']:.1%}", str(v["images"]), _fmt(v["mean_score"]))
+    else:
+        t = Table(title=f"rewards over {summ['images']} images", title_justify="left")
+        for c in ("column", "mean", "std"):
+            t.add_column(c, justify="right")
+        for c, v in summ["overall"].items():
+            t.add_row(c, _fmt(v["mean"]), _fmt(v["std"]))
+    console.print(t)
+
+
 def inspect(path: Path) -> None:
     """Summarise a stage folder, a shard or a Parquet file."""
     path = Path(path)

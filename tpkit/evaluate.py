@@ -1,0 +1,247 @@
+"""`tpkit eval reward` and `tpkit eval geneval`: held-out evaluation of a model (+ LoRA).
+
+Images are generated with the eval sampler (ODE, 40 steps, CFG 4.5 by default; one stored seed
+per image) into GenEval's folder layout, or read from such a folder (`--images`):
+
+    OUT/images/00000/metadata.jsonl     the prompt's metadata (GenEval: one line)
+    OUT/images/00000/samples/0000.png   its images
+    OUT/images/00000/results.json       per image: seed, rewards or GenEval verdict (written last)
+
+Work is split by prompt (prompt i goes to rank i % world), each prompt finished atomically, so a
+rerun resumes and any number of processes can share a run. Whoever finishes last merges
+everything into results.jsonl, summary.json, grid PNGs and manifest.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from tpkit import layout
+from tpkit.config import EvalConfig, to_dict
+from tpkit.errors import ConfigError, InputError
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+RESULTS, SUMMARY = "results.jsonl", "summary.json"
+
+
+def prompt_dir(out: Path, i: int) -> Path:
+    return out / "images" / f"{i:05d}"
+
+
+def sample_path(folder: Path, j: int) -> Path:
+    return folder / "samples" / f"{j:04d}.png"
+
+
+def generate(model, prompts: list[layout.Prompt], indices: list[int], cfg: EvalConfig, out: Path) -> None:
+    """ODE-sample images_per_prompt images per prompt into the GenEval layout."""
+    import torch
+
+    from tpkit import formulas
+    from tpkit.rollout import derive_seed
+    from tpkit.sd3 import png_bytes
+
+    sigmas = model.sigmas(cfg.steps)
+    shape = model.latent_shape(cfg.resolution)
+    jobs = [(i, j) for i in indices for j in range(cfg.images_per_prompt)
+            if not sample_path(prompt_dir(out, i), j).is_file()]
+    for b in range(0, len(jobs), cfg.batch_size):
+        batch = jobs[b: b + cfg.batch_size]
+        emb = model.encode([prompts[i].prompt for i, _ in batch], cfg.max_sequence_length)
+        seeds = [derive_seed(cfg.seed, "eval", prompts[i].prompt_id, j) for i, j in batch]
+        x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(model.device)
+        with torch.no_grad():
+            for t in range(cfg.steps):
+                v = model.velocity(x, torch.full((len(batch),), sigmas[t]), emb, cfg.guidance)
+                x = formulas.ode_step(x, v, sigmas[t], sigmas[t + 1])
+        for (i, j), image in zip(batch, model.decode(x)):
+            layout.atomic_write(sample_path(prompt_dir(out, i), j), png_bytes(image))
+
+
+def read_images(folder: Path) -> tuple[list, list[Path]]:
+    from PIL import Image
+
+    paths = sorted((folder / "samples").glob("*.png"))
+    return [Image.open(p).convert("RGB") for p in paths], paths
+
+
+def score_prompt_rewards(rewards, prompt: layout.Prompt, images: list) -> list[dict]:
+    from tpkit.rewards import score_images
+
+    cols = score_images(rewards, images, [prompt.prompt] * len(images), [prompt.metadata] * len(images))
+    return [{name: vals[j] for name, vals in cols.items()} for j in range(len(images))]
+
+
+def score_prompt_geneval(judge_models, prompt: layout.Prompt, images: list) -> list[dict]:
+    from tpkit import geneval
+
+    judgements = geneval.detect_and_judge(images, [prompt.metadata] * len(images), *judge_models)
+    return [dict(correct=bool(jd.correct), strict=float(jd.strict), score=float(jd.score), reason=jd.reason,
+                 detections=_jsonable(getattr(jd, "detections", None))) for jd in judgements]
+
+
+def _jsonable(x):
+    if x is None:
+        return None
+    return json.loads(json.dumps(x, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
+
+
+def run(cfg: EvalConfig) -> dict | None:
+    from tpkit import sd3
+    from tpkit.rewards import load_rewards
+    from tpkit.ui import track
+
+    # 1. Check inputs: prompts (or an existing image folder), then build the scorers up front.
+    cfg.validate()
+    out = Path(cfg.out)
+    source = Path(cfg.images) if cfg.images else out
+    prompts = _load_prompts(cfg, source)
+    if cfg.kind == "geneval":
+        from tpkit import geneval
+
+        for p in prompts:
+            geneval.check_meta(p.metadata)
+        scorer = _geneval_scorer(cfg)
+    else:
+        rewards = load_rewards(cfg.rewards, cfg.reward_options)
+        scorer = lambda p, images: score_prompt_rewards(rewards, p, images)  # noqa: E731
+
+    # 2. This rank's prompts that have no results yet.
+    mine = [i for i in range(len(prompts)) if i % cfg.world_size == cfg.rank
+            and not (prompt_dir(out, i) / "results.json").is_file()]
+
+    # 3. Generate the missing images (unless scoring an existing folder).
+    if mine and not cfg.images:
+        model = sd3.load(cfg.model, cfg.device, cfg.dtype, text_encoders=True, lora=cfg.lora)
+        for i in mine:
+            _write_metadata(prompt_dir(out, i), prompts[i].metadata)
+        with track(len(mine), f"eval: generate ({cfg.images_per_prompt} images per prompt)") as advance:
+            for b in range(0, len(mine), max(1, cfg.batch_size // cfg.images_per_prompt)):
+                chunk = mine[b: b + max(1, cfg.batch_size // cfg.images_per_prompt)]
+                generate(model, prompts, chunk, cfg, out)
+                advance(len(chunk))
+
+    # 4. Score every image of each prompt; results.json is the prompt's completion marker.
+    with track(len(mine), f"eval: {cfg.kind}") as advance:
+        for i in mine:
+            images, paths = read_images(prompt_dir(source, i))
+            if not images:
+                raise InputError(f"{prompt_dir(source, i)}: no samples/*.png", "generate them (omit --images) or fix the folder")
+            rows = scorer(prompts[i], images)
+            seeds = _seeds(cfg, prompts[i], len(images))
+            results = [{"index": i, "sample": j, "prompt_id": prompts[i].prompt_id, "prompt": prompts[i].prompt,
+                        "tag": prompts[i].metadata.get("tag"), "image": str(paths[j]), "seed": seeds[j], **rows[j]}
+                       for j in range(len(images))]
+            layout.atomic_write_json(prompt_dir(out, i) / "results.json", results)
+            advance(1)
+
+    # 5. Whoever finds every prompt done merges: results.jsonl, summary.json, grids, manifest.
+    if not all((prompt_dir(out, i) / "results.json").is_file() for i in range(len(prompts))):
+        return None
+    results = [r for i in range(len(prompts)) for r in json.loads((prompt_dir(out, i) / "results.json").read_text())]
+    layout.atomic_write(out / RESULTS, "".join(json.dumps(r) + "\n" for r in results).encode())
+    summary = geneval_summary(results) if cfg.kind == "geneval" else reward_summary(results, cfg.rewards)
+    layout.atomic_write_json(out / SUMMARY, summary)
+    write_grids(out, results, cfg)
+    return layout.write_manifest(out, f"eval-{cfg.kind}", to_dict(cfg), inputs={"prompts": cfg.prompts,
+                                 "images": cfg.images, "model": cfg.model, "lora": cfg.lora},
+                                 counts={"prompts": len(prompts), "images": len(results)}, summary=summary)
+
+
+def _load_prompts(cfg: EvalConfig, source: Path) -> list[layout.Prompt]:
+    if cfg.prompts:
+        return layout.load_prompts(Path(cfg.prompts))
+    if cfg.images:  # GenEval layout: metadata.jsonl in each prompt folder
+        folders = sorted(p for p in (source / "images" if (source / "images").is_dir() else source).iterdir() if p.is_dir())
+        if not folders:
+            raise InputError(f"{source}: no prompt folders", "pass a folder in GenEval's layout (00000/metadata.jsonl, samples/)")
+        out = []
+        for i, f in enumerate(folders):
+            meta = json.loads((f / "metadata.jsonl").read_text().splitlines()[0])
+            out.append(layout.Prompt(f"p{i:05d}", meta["prompt"], meta))
+        return out
+    if cfg.kind == "geneval":
+        return layout.load_prompts(DATA / "geneval-style.jsonl")
+    raise ConfigError("no prompts given", "pass --prompts FILE (.txt or .jsonl)")
+
+
+def _write_metadata(folder: Path, meta: dict) -> None:
+    layout.atomic_write(folder / "metadata.jsonl", (json.dumps(meta) + "\n").encode())
+
+
+def _seeds(cfg: EvalConfig, prompt: layout.Prompt, n: int) -> list[int | None]:
+    from tpkit.rollout import derive_seed
+
+    if cfg.images:
+        return [None] * n
+    return [derive_seed(cfg.seed, "eval", prompt.prompt_id, j) for j in range(n)]
+
+
+def _geneval_scorer(cfg: EvalConfig) -> Callable:
+    from tpkit import geneval
+
+    models = geneval.load_models(cfg.reward_options.get("geneval", {}))
+    return lambda p, images: score_prompt_geneval(models, p, images)
+
+
+def reward_summary(results: list[dict], weights: dict[str, float]) -> dict:
+    """Mean ± std over all images of every reward column, and per prompt."""
+    cols = [c for c in results[0] if c == "reward" or c.startswith("reward_")]
+    overall = {c: {"mean": float(np.mean([r[c] for r in results])), "std": float(np.std([r[c] for r in results]))}
+               for c in cols}
+    per_prompt: dict[str, list[float]] = {}
+    for r in results:
+        per_prompt.setdefault(r["prompt_id"], []).append(r["reward"])
+    return {"rewards": weights, "images": len(results), "overall": overall,
+            "per_prompt": {k: {"mean": float(np.mean(v)), "std": float(np.std(v)), "n": len(v)}
+                           for k, v in per_prompt.items()}}
+
+
+GENEVAL_TASKS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+
+
+def geneval_summary(results: list[dict]) -> dict:
+    """Accuracy per task and overall = unweighted mean of the task accuracies, as GenEval reports."""
+    tasks = {}
+    for t in GENEVAL_TASKS:
+        rows = [r for r in results if r["tag"] == t]
+        if rows:
+            tasks[t] = {"accuracy": float(np.mean([r["correct"] for r in rows])), "images": len(rows),
+                        "mean_score": float(np.mean([r["score"] for r in rows]))}
+    overall = float(np.mean([v["accuracy"] for v in tasks.values()])) if tasks else math.nan
+    return {"overall": overall, "tasks": tasks, "images": len(results),
+            "image_accuracy": float(np.mean([r["correct"] for r in results]))}
+
+
+def write_grids(out: Path, results: list[dict], cfg: EvalConfig) -> None:
+    """grid.png (reward) or grid-<task>.png (geneval; failures framed red, successes green)."""
+    from PIL import Image, ImageDraw
+
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        groups.setdefault(r.get("tag") if cfg.kind == "geneval" else "all", []).append(r)
+    for name, rows in groups.items():
+        by_prompt: dict[int, list[dict]] = {}
+        for r in rows:
+            by_prompt.setdefault(r["index"], []).append(r)
+        picked = list(by_prompt.values())[: cfg.grid_prompts]
+        cell = 128
+        grid = Image.new("RGB", (cell * max(len(p) for p in picked), cell * len(picked)), "white")
+        draw = ImageDraw.Draw(grid)
+        for y, prow in enumerate(picked):
+            for x, r in enumerate(prow):
+                grid.paste(Image.open(r["image"]).convert("RGB").resize((cell, cell)), (x * cell, y * cell))
+                if cfg.kind == "geneval":
+                    colour = (40, 180, 60) if r["correct"] else (220, 30, 30)
+                    draw.rectangle([x * cell, y * cell, (x + 1) * cell - 1, (y + 1) * cell - 1], outline=colour, width=4)
+                else:
+                    draw.text((x * cell + 3, y * cell + 3), f"{r['reward']:.3g}", fill=(255, 255, 0))
+        import io
+
+        buf = io.BytesIO()
+        grid.save(buf, format="PNG")
+        layout.atomic_write(out / ("grid.png" if name == "all" else f"grid-{name}.png"), buf.getvalue())
