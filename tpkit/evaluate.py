@@ -98,8 +98,7 @@ def run(cfg: EvalConfig) -> dict | None:
     # 1. Check inputs: prompts (or an existing image folder), then build the scorers up front.
     cfg.validate()
     out = Path(cfg.out)
-    source = Path(cfg.images) if cfg.images else out
-    prompts = _load_prompts(cfg, source)
+    prompts, folders = _load_prompts(cfg)
     if cfg.kind == "geneval":
         from tpkit import geneval
 
@@ -128,9 +127,9 @@ def run(cfg: EvalConfig) -> dict | None:
     # 4. Score every image of each prompt; results.json is the prompt's completion marker.
     with track(len(mine), f"eval: {cfg.kind}") as advance:
         for i in mine:
-            images, paths = read_images(prompt_dir(source, i))
+            images, paths = read_images(folders[i])
             if not images:
-                raise InputError(f"{prompt_dir(source, i)}: no samples/*.png", "generate them (omit --images) or fix the folder")
+                raise InputError(f"{folders[i]}: no samples/*.png", "generate them (omit --images) or fix the folder")
             rows = scorer(prompts[i], images)
             seeds = _seeds(cfg, prompts[i], len(images))
             results = [{"index": i, "sample": j, "prompt_id": prompts[i].prompt_id, "prompt": prompts[i].prompt,
@@ -152,21 +151,28 @@ def run(cfg: EvalConfig) -> dict | None:
                                  counts={"prompts": len(prompts), "images": len(results)}, summary=summary)
 
 
-def _load_prompts(cfg: EvalConfig, source: Path) -> list[layout.Prompt]:
-    if cfg.prompts:
-        return layout.load_prompts(Path(cfg.prompts))
-    if cfg.images:  # GenEval layout: metadata.jsonl in each prompt folder
-        folders = sorted(p for p in (source / "images" if (source / "images").is_dir() else source).iterdir() if p.is_dir())
+def _load_prompts(cfg: EvalConfig) -> tuple[list[layout.Prompt], list[Path]]:
+    """The prompts and, per prompt, the folder its images are (to be) in."""
+    if cfg.images:  # GenEval's layout: one folder per prompt with metadata.jsonl and samples/
+        root = Path(cfg.images)
+        root = root / "images" if (root / "images").is_dir() else root
+        folders = sorted(p for p in root.iterdir() if p.is_dir() and (p / "metadata.jsonl").is_file()) \
+            if root.is_dir() else []
         if not folders:
-            raise InputError(f"{source}: no prompt folders", "pass a folder in GenEval's layout (00000/metadata.jsonl, samples/)")
-        out = []
+            raise InputError(f"{cfg.images}: no prompt folders with metadata.jsonl",
+                             "pass a folder in GenEval's layout (00000/metadata.jsonl, 00000/samples/0000.png)")
+        prompts = []
         for i, f in enumerate(folders):
             meta = json.loads((f / "metadata.jsonl").read_text().splitlines()[0])
-            out.append(layout.Prompt(f"p{i:05d}", meta["prompt"], meta))
-        return out
-    if cfg.kind == "geneval":
-        return layout.load_prompts(DATA / "geneval-style.jsonl")
-    raise ConfigError("no prompts given", "pass --prompts FILE (.txt or .jsonl)")
+            prompts.append(layout.Prompt(f"p{i:05d}", meta["prompt"], meta))
+        return prompts, folders
+    if cfg.prompts:
+        prompts = layout.load_prompts(Path(cfg.prompts))
+    elif cfg.kind == "geneval":
+        prompts = layout.load_prompts(DATA / "geneval-style.jsonl")
+    else:
+        raise ConfigError("no prompts given", "pass --prompts FILE (.txt or .jsonl)")
+    return prompts, [prompt_dir(Path(cfg.out), i) for i in range(len(prompts))]
 
 
 def _write_metadata(folder: Path, meta: dict) -> None:
