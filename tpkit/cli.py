@@ -240,6 +240,27 @@ def eval_geneval(
           resolution, seed, batch_size, device, dtype, rank, world_size)
 
 
+prompts_app = typer.Typer(help="Write prompt sets.", no_args_is_help=True)
+app.add_typer(prompts_app, name="prompts")
+
+
+@prompts_app.command("geneval")
+def prompts_geneval(
+    out: Path = typer.Option(..., "--out", help="Output .jsonl: GenEval metadata, one object a line."),
+    split: str = typer.Option("test", help="test: GenEval's procedure (seed 43, n 100 gives the official 553 "
+                                            "prompts); train: prompts none of which is in the official test set."),
+    seed: Optional[int] = typer.Option(None, help="Default: 43 for test, 0 for train."),
+    n: Optional[int] = typer.Option(None, help="Per tag: draws for test (default 100), prompts for train (default 1000)."),
+) -> None:
+    """GenEval-style train/test prompt sets (80 COCO classes, counts, colours, relations)."""
+    from tpkit.geneval_prompts import run as write_prompts
+    from tpkit.ui import console
+
+    path = write_prompts(out, seed, split, n)
+    lines = sum(1 for _ in path.open())
+    console.print(f"[green]done[/]: {path} ({lines} prompts)")
+
+
 @app.command()
 def inspect(path: Path = typer.Argument(..., help="A stage folder, a .tar shard or a .parquet file.")) -> None:
     """Readable summary of a stage folder, a shard or a Parquet file."""
