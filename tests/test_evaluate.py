@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from pathlib import Path
 import pytest
 from PIL import Image
 
@@ -93,3 +94,55 @@ def test_bad_inputs(tmp_path, two_prompts):
         evaluate.run(EvalConfig(kind="reward", prompts=str(two_prompts), out=str(tmp_path / "x")))
     with pytest.raises(ConfigError, match="images_per_prompt"):
         evaluate.run(_cfg(tmp_path, two_prompts, "y", images_per_prompt=0))
+
+
+# --------------------------------------------------------------------------------------------
+# tpkit eval geneval with tiny random detector and CLIP models given by local path
+# --------------------------------------------------------------------------------------------
+
+OFFICIAL = Path("/work/shared/data/geneval/evaluation_metadata.jsonl")
+
+
+def _one_per_tag(lines: list[str]) -> list[str]:
+    seen, out = set(), []
+    for line in lines:
+        tag = json.loads(line)["tag"]
+        if tag not in seen:
+            seen.add(tag)
+            out.append(line)
+    return out
+
+
+@pytest.fixture(scope="module")
+def geneval_models(tmp_path_factory):
+    from test_geneval import _tiny_clip, _tiny_mask2former
+
+    root = tmp_path_factory.mktemp("geneval-models")
+    return {"detector": str(_tiny_mask2former(root / "m2f")), "clip": str(_tiny_clip(root / "clip"))}
+
+
+@pytest.mark.parametrize("source", ["tpkit", "official"])
+def test_eval_geneval_end_to_end(tmp_path, geneval_models, source):
+    official = Path(__file__).resolve().parents[2] / "shared" / "data" / "geneval" / "evaluation_metadata.jsonl"
+    path = official if official.is_file() else OFFICIAL
+    if source == "official" and not path.is_file():
+        pytest.skip("GenEval's official metadata is not beside the project")
+    src = path if source == "official" else evaluate.DATA / "geneval-style.jsonl"
+    meta = tmp_path / "meta.jsonl"
+    meta.write_text("".join(_one_per_tag(src.read_text().splitlines(keepends=True))))
+    m = evaluate.run(EvalConfig(kind="geneval", prompts=str(meta), out=str(tmp_path / "out"), images_per_prompt=1,
+                                steps=STEPS, reward_options={"geneval": geneval_models}))
+    rows = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and all(isinstance(r["correct"], bool) and 0 <= r["strict"] <= 1 for r in rows)
+    summary = m["summary"]
+    assert set(summary["tasks"]) == set(evaluate.GENEVAL_TASKS)
+    assert summary["overall"] == pytest.approx(np.mean([v["accuracy"] for v in summary["tasks"].values()]))
+    assert all((tmp_path / "out" / f"grid-{t}.png").is_file() for t in evaluate.GENEVAL_TASKS)
+
+
+def test_eval_geneval_rejects_prompts_without_geneval_metadata(tmp_path, two_prompts, geneval_models):
+    from tpkit.errors import InputError
+
+    with pytest.raises(InputError, match="GenEval"):
+        evaluate.run(EvalConfig(kind="geneval", prompts=str(two_prompts), out=str(tmp_path / "o"),
+                                reward_options={"geneval": geneval_models}))

@@ -103,7 +103,11 @@ def run(cfg: EvalConfig) -> dict | None:
         from tpkit import geneval
 
         for p in prompts:
-            geneval.check_meta(p.metadata)
+            try:
+                geneval.check_meta(p.metadata)
+            except ValueError as e:
+                raise InputError(f"prompt {p.prompt_id} ({p.prompt!r}): not GenEval metadata ({e})",
+                                 "pass GenEval metadata (evaluation_metadata.jsonl or `tpkit prompts geneval`)") from None
         scorer = _geneval_scorer(cfg)
     else:
         rewards = load_rewards(cfg.rewards, cfg.reward_options)
@@ -190,7 +194,10 @@ def _seeds(cfg: EvalConfig, prompt: layout.Prompt, n: int) -> list[int | None]:
 def _geneval_scorer(cfg: EvalConfig) -> Callable:
     from tpkit import geneval
 
-    models = geneval.load_models(cfg.reward_options.get("geneval", {}))
+    opts = cfg.reward_options.get("geneval", {})
+    models = geneval.load_models(opts.get("detector", geneval.DEFAULT_DETECTOR), opts.get("clip", geneval.DEFAULT_CLIP),
+                                 fixes={"detector": "pass a local folder with --detector PATH",
+                                        "clip": "pass a local folder with --clip PATH"})
     return lambda p, images: score_prompt_geneval(models, p, images)
 
 
