@@ -468,3 +468,20 @@ def test_group_advantages_hand_worked():
     gs = math.sqrt(sum((x - m) ** 2 for x in vals) / 6)
     np.testing.assert_allclose(g[:, 0], [-1 / (gs + 1e-4), 1 / (gs + 1e-4), -3 / (gs + 1e-4),
                                          -3 / (gs + 1e-4), 6 / (gs + 1e-4), 0.0], rtol=1e-12)
+
+
+# --- --branch-steps: coarser branch schedules ---------------------------------------------
+
+
+def test_branch_schedule_exact_by_default_and_capped_otherwise():
+    s = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0]
+    assert F.branch_schedule(s, 3) == s[3:]
+    assert F.branch_schedule(s, 7, 5) == s[7:]  # 3 steps left <= 5: exact
+    coarse = F.branch_schedule(s, 0, 3)
+    assert coarse[0] == 1.0 and coarse[-1] == 0.0 and len(coarse) == 4  # starts at sigma_j (reuses v(s_k))
+    assert coarse == sorted(coarse, reverse=True) and set(coarse) <= set(s)
+
+
+def test_branch_calls_with_a_cap():
+    assert F.branch_calls(10, 0, 9, 3) == 2 * 8 + 1  # k = 0..7: min(10 - k, 3) - 1 = 2; k = 8: 2 - 1 = 1
+    assert F.branch_calls(10, 0, 9, 10) == F.branch_calls(10, 0, 9) == 45

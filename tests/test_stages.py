@@ -383,3 +383,16 @@ def test_nan_reward_raises_and_writes_no_scores(tiny_run, trajectories, tmp_path
     else:  # the failing shard (prompt 1, the boat) has no scores file
         assert "scores-r000-00001.parquet" not in written
     assert not (out.exists() and list(out.glob(".*.tmp")))
+
+
+def test_branch_steps_caps_calls_and_is_exact_when_large(tiny_run, tmp_path):
+    def table(folder):
+        return layout.read_parquet_tables(folder, "score")
+
+    exact = table(tiny_run / "score").sort_by([("trajectory_id", "ascending"), ("branch", "ascending")])
+    m = score.run(ScoreConfig(rollout=str(tiny_run / "rollout"), out=str(tmp_path / "cap3"), branch_steps=3))
+    assert m["counts"]["transformer_calls"] == 8 * formulas.branch_calls(10, 0, 9, 3)
+    m = score.run(ScoreConfig(rollout=str(tiny_run / "rollout"), out=str(tmp_path / "cap10"), branch_steps=10))
+    same = table(tmp_path / "cap10").sort_by([("trajectory_id", "ascending"), ("branch", "ascending")])
+    assert m["counts"]["transformer_calls"] == 8 * 45
+    assert same["reward"].to_pylist() == exact["reward"].to_pylist()

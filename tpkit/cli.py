@@ -76,6 +76,7 @@ def score(
     batch_size: int = typer.Option(16, help="Branches per transformer batch (CFG doubles it)."),
     decode_batch_size: int = typer.Option(8, help="Images per VAE decode and reward call."),
     reward_workers: int = typer.Option(1, help="Threads scoring images while the transformer runs (0: inline)."),
+    branch_steps: int = typer.Option(0, help="0: exact branches; N: at most N ODE steps per branch (faster, approximate)."),
     device: str = _DEVICE, dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
 ) -> None:
     """Reward of the ODE completion from every cached window state (Parquet)."""
@@ -85,7 +86,8 @@ def score(
 
     cfg = ScoreConfig(rollout=str(rollout_dir), out=str(out), rewards=parse_reward_specs(reward),
                       reward_options=parse_reward_options(reward_opt), branches=branches,
-                      batch_size=batch_size, decode_batch_size=decode_batch_size, reward_workers=reward_workers, device=device, dtype=dtype,
+                      batch_size=batch_size, decode_batch_size=decode_batch_size, reward_workers=reward_workers,
+                      branch_steps=branch_steps, device=device, dtype=dtype,
                       rank=rank, world_size=world_size)
     manifest = stage.run(cfg)
 

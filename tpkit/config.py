@@ -143,6 +143,7 @@ class ScoreConfig:
     batch_size: int = 16  # branches per transformer batch (CFG doubles it)
     decode_batch_size: int = 8
     reward_workers: int = 1  # threads scoring images while the transformer runs; 0: score inline
+    branch_steps: int = 0  # 0: exact ODE completion; N: at most N steps per branch (faster, approximate)
     dtype: str = "auto"
     device: str = "auto"
     rank: int | None = None
@@ -156,6 +157,7 @@ class ScoreConfig:
         for name in ("batch_size", "decode_batch_size"):
             _positive(name, getattr(self, name))
         _positive("reward_workers", self.reward_workers, allow_zero=True)
+        _positive("branch_steps", self.branch_steps, allow_zero=True)
         self.rank, self.world_size = resolve_rank(self.rank, self.world_size)
         return self
 

@@ -145,13 +145,28 @@ def window_start(lo: int, hi: int, window_size: int, u: float) -> int:
     return lo + min(int(u * n), n - 1)
 
 
-def branch_calls(steps: int, start: int, window_size: int) -> int:
+def branch_schedule(sigmas: list[float], j: int, max_steps: int = 0) -> list[float]:
+    """The noise levels an ODE branch from step j visits: sigma_j, ..., sigma_T = 0.
+
+    Exact (max_steps = 0, or when T - j <= max_steps): every remaining step of the schedule.
+    Otherwise max_steps steps on a coarser sub-schedule of it, whose points are evenly spaced in
+    step index (rounded) and keep sigma_j first, so the rollout's v(s_k) still serves step one.
+    """
+    rest = sigmas[j:]
+    if not max_steps or len(rest) - 1 <= max_steps:
+        return list(rest)
+    idx = sorted({round(i * (len(rest) - 1) / max_steps) for i in range(max_steps + 1)})
+    return [rest[i] for i in idx]
+
+
+def branch_calls(steps: int, start: int, window_size: int, max_steps: int = 0) -> int:
     """Transformer calls to complete branches k = 0..K-1 by ODE, reusing the rollout's v(s_k).
 
     Branch k runs from step a + k to T: T - a - k calls, the first of which the rollout already
-    made. sum_{k=0}^{K-1} (T - a - k - 1); T = 10, a = 0, K = 9 gives 45.
+    made. sum_{k=0}^{K-1} (T - a - k - 1); T = 10, a = 0, K = 9 gives 45. With max_steps = N,
+    branch k costs min(T - a - k, N) - 1.
     """
-    return sum(steps - start - k - 1 for k in range(window_size))
+    return sum(min(steps - start - k, max_steps or steps) - 1 for k in range(window_size))
 
 
 # --------------------------------------------------------------------------------------------

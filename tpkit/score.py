@@ -4,7 +4,7 @@ R_k = R(decode(ODE(s_k))) for k = 0..K-1; R_K is the trajectory's own final imag
 shard and never recomputed. Branches of all trajectories and states of a shard share transformer
 batches (per-sample timesteps, continuous refill as branches finish), and each branch's first step
 reuses the rollout's velocity v(s_k), so a trajectory costs sum_k (T - a - k - 1) calls here
-(45 for T = 10, K = 9). Decoded images are scored on a worker thread while the transformer runs.
+(45 for T = 10, K = 9); `--branch-steps N` caps each branch at N steps of a coarser schedule. Decoded images are scored on a worker thread while the transformer runs.
 """
 
 from __future__ import annotations
@@ -34,8 +34,13 @@ SHARED_SETTINGS = ("model", "lora", "sampler", "noise_level", "guidance", "steps
 class Branch:
     traj: int  # index into the shard's trajectories
     k: int  # window state s_k it starts from
-    x: torch.Tensor  # current latent [C, h, w]
-    j: int  # next schedule step to take
+    x: torch.Tensor  # current latent [C, h, w], on the model's device
+    sigmas: list[float]  # the branch's own schedule, from sigma_{a+k} down to 0
+    p: int  # position in it: x is at sigmas[p]
+
+    @property
+    def done(self) -> bool:
+        return self.p >= len(self.sigmas) - 1
 
 
 @dataclass
@@ -109,18 +114,20 @@ class BranchScorer:
         """ODE-complete every branch k < K of every trajectory; returns the reward futures."""
         cfg, model, c = self.cfg, self.model, self.counters
         meta = trajs[0].meta
-        sigmas, T, a, K, w = meta["sigmas"], meta["steps"], meta["window_start"], meta["window_size"], meta["guidance"]
+        sigmas, a, K, w = meta["sigmas"], meta["window_start"], meta["window_size"], meta["guidance"]
         pids = sorted(prompts)
         emb = {k: torch.cat([prompts[p].embeds[k] for p in pids]).to(model.device) for k in EMBED_KEYS}
         prompt_row = torch.tensor([pids.index(t.meta["prompt_id"]) for t in trajs])
 
-        # First step of branch k reuses v(s_k) from the rollout: no transformer call.
+        # First step of branch k reuses v(s_k) from the rollout: no transformer call. Its schedule is
+        # the rest of the rollout's (exact), or at most branch_steps steps of it (--branch-steps).
         pending: deque[Branch] = deque()
         for n, t in enumerate(trajs):
             for k in range(K):
-                x = formulas.ode_step(t.tensors["states"][k: k + 1], t.tensors["velocities"][k: k + 1],
-                                      sigmas[a + k], sigmas[a + k + 1])[0]
-                pending.append(Branch(n, k, x, a + k + 1))
+                sched = formulas.branch_schedule(sigmas, a + k, cfg.branch_steps)
+                x = formulas.ode_step(t.tensors["states"][k: k + 1].to(model.device),
+                                      t.tensors["velocities"][k: k + 1].to(model.device), sched[0], sched[1])[0]
+                pending.append(Branch(n, k, x, sched, 1))
         active: list[Branch] = []
         finished: list[Branch] = []
         futures: list[Future] = []
@@ -138,12 +145,12 @@ class BranchScorer:
         while pending or active:
             while len(active) < cfg.batch_size and pending:
                 b = pending.popleft()
-                (finished if b.j >= T else active).append(b)
+                (finished if b.done else active).append(b)
             if active:
                 t0 = time.perf_counter()
                 x = torch.stack([b.x for b in active])
-                sig = torch.tensor([sigmas[b.j] for b in active])
-                sig_next = torch.tensor([sigmas[b.j + 1] for b in active])
+                sig = torch.tensor([b.sigmas[b.p] for b in active])
+                sig_next = torch.tensor([b.sigmas[b.p + 1] for b in active])
                 rows = prompt_row[[b.traj for b in active]].to(model.device)
                 with torch.no_grad():
                     v = model.velocity(x, sig, {k: e[rows] for k, e in emb.items()}, w)
@@ -151,9 +158,9 @@ class BranchScorer:
                 c.transformer_calls += len(active)
                 c.t_transformer += time.perf_counter() - t0
                 for b, xn in zip(active, x_next):
-                    b.x, b.j = xn, b.j + 1
-                finished += [b for b in active if b.j >= T]
-                active = [b for b in active if b.j < T]
+                    b.x, b.p = xn, b.p + 1
+                finished += [b for b in active if b.done]
+                active = [b for b in active if not b.done]
             flush(force=not pending and not active)
         return futures
 
