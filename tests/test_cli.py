@@ -226,3 +226,12 @@ def test_rewards_lists_the_builtins():
     assert p.returncode == 0, p.stderr
     out = flat(p.stdout + p.stderr)
     assert "jpeg-compressibility" in out and "jpeg-incompressibility" in out
+
+
+def test_cps_window_reaching_the_last_step_is_refused():
+    from tpkit.config import RolloutConfig
+    from tpkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="last step"):
+        RolloutConfig(prompts="x.txt", steps=6, window_size=5, window_range=(0, 6)).validate()
+    RolloutConfig(prompts="x.txt", steps=6, window_size=5, window_range=(0, 6), sampler="sde").validate()  # SDE noise > 0 there

@@ -485,3 +485,10 @@ def test_branch_schedule_exact_by_default_and_capped_otherwise():
 def test_branch_calls_with_a_cap():
     assert F.branch_calls(10, 0, 9, 3) == 2 * 8 + 1  # k = 0..7: min(10 - k, 3) - 1 = 2; k = 8: 2 - 1 = 1
     assert F.branch_calls(10, 0, 9, 10) == F.branch_calls(10, 0, 9) == 45
+
+
+def test_kl_of_a_deterministic_transition_is_zero_not_nan():
+    mean, ref = torch.ones(2, 1, 2, 2), torch.zeros(2, 1, 2, 2)
+    std = torch.tensor([0.0, 0.5]).reshape(2, 1, 1, 1)
+    kl = F.kl_to_reference(mean, ref, std)
+    assert kl.tolist() == [0.0, pytest.approx(1.0 / (2 * 0.25))]

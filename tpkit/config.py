@@ -125,6 +125,11 @@ class RolloutConfig:
             raise ConfigError(
                 f"window range ({lo}, {hi}) with window size {self.window_size} does not fit {self.steps} steps",
                 "need 0 <= LO, HI <= steps and HI - LO >= window size (paper: --window-range 0 9 --window-size 9 --steps 10)")
+        if self.sampler == "cps" and hi >= self.steps:
+            # CPS noise is sigma_{j+1} sin(a pi / 2): 0 on the last step, whose transition is then
+            # deterministic (no exploration, ratio always 1, KL undefined).
+            raise ConfigError(f"window range ({lo}, {hi}) reaches the last step, where CPS adds no noise",
+                              f"end the window before step {self.steps}: HI <= {self.steps - 1} (paper: --window-range 0 9 --steps 10)")
         if self.lora:
             self.lora = str(Path(self.lora).expanduser().resolve())  # later stages read it from the manifest
         if self.resolution % 16:

@@ -279,5 +279,8 @@ def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tenso
     """KL between the policy's and the reference's Gaussian transitions of equal std, per sample [B].
 
     KL = mean((mu_theta - mu_ref)^2) / (2 std^2), std = the transition's std ([B, 1, 1, 1]).
+    A deterministic transition (std 0) contributes 0 rather than inf/NaN.
     """
-    return _mean_over_elements((mean.float() - ref_mean.float()) ** 2) / (2.0 * std.reshape(-1).float() ** 2)
+    var = std.reshape(-1).float() ** 2
+    sq = _mean_over_elements((mean.float() - ref_mean.float()) ** 2)
+    return torch.where(var > 0, sq / (2.0 * var.clamp_min(torch.finfo(torch.float32).tiny)), torch.zeros_like(sq))

@@ -156,7 +156,7 @@ def run(cfg: RolloutConfig) -> dict | None:
 
     # 2. Load the model with its text encoders (and the policy's LoRA, from the previous round).
     if todo:
-        model = sd3.load(cfg.model, cfg.device, cfg.dtype, text_encoders=True, lora=cfg.lora)
+        model = sd3.load(cfg.model, cfg.device, cfg.dtype, text_encoders=True, lora=cfg.lora, reuse=True)
         sigmas = model.sigmas(cfg.steps)
 
         # 3. Sample and write each shard (atomically: a crash leaves whole shards only).

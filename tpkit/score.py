@@ -225,7 +225,7 @@ def run(cfg: ScoreConfig, rewards: list[Reward] | None = None) -> dict | None:
         rc = rollout["config"]
         model = None
         if cfg.branches == "all":
-            model = sd3.load(rc["model"], cfg.device, cfg.dtype, text_encoders=False, lora=rc["lora"])
+            model = sd3.load(rc["model"], cfg.device, cfg.dtype, text_encoders=False, lora=rc["lora"], reuse=True)
         scorer = BranchScorer(model, rewards, cfg)
         reference = None
         per_traj = rc["window_size"] if cfg.branches == "all" else 0

@@ -226,11 +226,30 @@ class SD3:
         return img.permute(0, 2, 3, 1).cpu().numpy()
 
 
+_CACHE: dict[tuple, SD3] = {}  # the last frozen (inference) pipeline, reused by the next inference stage
+
+
+def release() -> None:
+    """Drop the cached inference pipeline (train calls this to free its memory first)."""
+    _CACHE.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def load(model: str, device: str = "auto", dtype: str = "auto", text_encoders: bool = True,
-         lora: str | None = None, vae: bool = True) -> SD3:
+         lora: str | None = None, vae: bool = True, reuse: bool = False) -> SD3:
     """Load an SD3 pipeline by hub id, local folder or `tiny-sd3`, optionally with a LoRA adapter.
 
-    Stages load only what they use: score skips the text encoders, train also the VAE."""
+    Stages load only what they use: score skips the text encoders, train also the VAE.
+    reuse=True (inference stages): keep the pipeline for the next inference stage in this process
+    and take a cached one that has at least what is asked for, so `tpkit run`'s score stage does
+    not reload what its rollout just used. The cache holds one pipeline."""
+    lora_id = (str(lora), (Path(lora) / LORA_WEIGHTS).stat().st_mtime_ns) if lora and (Path(lora) / LORA_WEIGHTS).is_file() else lora
+    key = (model, str(pick_device(device)), dtype, lora_id)
+    if reuse:
+        for (k, has_te, has_vae), m in _CACHE.items():
+            if k == key and (has_te or not text_encoders) and (has_vae or not vae):
+                return m
     _quiet_libraries()
     from diffusers import StableDiffusion3Pipeline
 
@@ -250,7 +269,11 @@ def load(model: str, device: str = "auto", dtype: str = "auto", text_encoders: b
             m.eval().requires_grad_(False)
     if lora:
         load_lora(pipe, lora)
-    return SD3(pipe=pipe, model=model, device=dev, dtype=dt)
+    loaded = SD3(pipe=pipe, model=model, device=dev, dtype=dt)
+    if reuse:
+        release()
+        _CACHE[(key, text_encoders, vae)] = loaded
+    return loaded
 
 
 def load_lora(pipe, lora: str) -> None:

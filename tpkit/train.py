@@ -135,6 +135,7 @@ def run(cfg: TrainConfig) -> dict:
     # cpu=True also when no GPU exists: only then does accelerate set up gloo DDP under torchrun.
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=on_cpu)
+    sd3.release()  # an inference pipeline kept by rollout/score would only take memory now
     model = sd3.load(rollout["config"]["model"], str(accelerator.device), cfg.dtype, text_encoders=False, vae=False)
     torch.manual_seed(cfg.seed)  # the LoRA init must not depend on what ran before in this process
     lora_config = sd3.add_trainable_lora(model.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.init_lora)
