@@ -178,8 +178,13 @@ def summary(m: RewardMatrix, a: Advantages) -> dict:
 
 
 def run(cfg: AdvantagesConfig) -> dict:
-    # 1. Check options and read the scores (a folder of Parquet files or one file).
     cfg.validate()
+    with layout.stage_lock(Path(cfg.out), 0, cfg.overwrite):
+        return _run(cfg)
+
+
+def _run(cfg: AdvantagesConfig) -> dict:
+    # 1. Read the scores (a folder of Parquet files or one file).
     table = layout.read_parquet_tables(Path(cfg.scores), "score")
 
     # 2. Arrange R_k per trajectory, refusing gaps, duplicates, NaN.

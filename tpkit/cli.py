@@ -48,6 +48,7 @@ def rollout(
     prompts_per_shard: int = typer.Option(4, help="Prompt groups per shard (groups never split)."),
     batch_size: int = typer.Option(8, help="Trajectories per transformer batch (CFG doubles it)."),
     max_sequence_length: int = typer.Option(256, help="T5 tokens per prompt."),
+    overwrite: bool = typer.Option(False, help="Clear the output folder first and redo the stage."),
     device: str = _DEVICE, dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
 ) -> None:
     """Sample SDE trajectories and cache their window states (WebDataset shards)."""
@@ -60,7 +61,7 @@ def rollout(
         resolution=resolution, sampler=sampler, noise_level=noise_level, window_size=window_size,
         window_range=window_range, seed=seed, lora=str(lora) if lora else None, prompts_per_shard=prompts_per_shard,
         batch_size=batch_size, max_sequence_length=max_sequence_length, dtype=dtype, device=device, rank=rank,
-        world_size=world_size,
+        world_size=world_size, overwrite=overwrite,
     )
     manifest = stage.run(cfg)
     _finished(manifest, out, manifest_summary)
@@ -77,6 +78,8 @@ def score(
     decode_batch_size: int = typer.Option(8, help="Images per VAE decode and reward call."),
     reward_workers: int = typer.Option(1, help="Threads scoring images while the transformer runs (0: inline)."),
     branch_steps: int = typer.Option(0, help="0: exact branches; N: at most N ODE steps per branch (faster, approximate)."),
+    on_nan: str = typer.Option("stop", help="A NaN/infinite reward: stop (list the trajectories) or drop them."),
+    overwrite: bool = typer.Option(False, help="Clear the output folder first and redo the stage."),
     device: str = _DEVICE, dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
 ) -> None:
     """Reward of the ODE completion from every cached window state (Parquet)."""
@@ -87,7 +90,7 @@ def score(
     cfg = ScoreConfig(rollout=str(rollout_dir), out=str(out), rewards=parse_reward_specs(reward),
                       reward_options=parse_reward_options(reward_opt), branches=branches,
                       batch_size=batch_size, decode_batch_size=decode_batch_size, reward_workers=reward_workers,
-                      branch_steps=branch_steps, device=device, dtype=dtype,
+                      branch_steps=branch_steps, on_nan=on_nan, overwrite=overwrite, device=device, dtype=dtype,
                       rank=rank, world_size=world_size)
     manifest = stage.run(cfg)
 
@@ -107,13 +110,15 @@ def advantages(
     method: str = typer.Option("tp-grpo", help="tp-grpo (turning points) or flow-grpo (r_k = R_K)."),
     balance: str = typer.Option("all", help="all: balance positive/negative turning points; none: keep all."),
     std: str = typer.Option("group", help="group: per-prompt std; global: std over all trajectories per step."),
+    overwrite: bool = typer.Option(False, help="Clear the output folder first and redo the stage."),
 ) -> None:
     """Step rewards, turning points and advantages (Parquet)."""
     from tpkit import advantages as stage
     from tpkit.config import AdvantagesConfig
     from tpkit.show import advantages_view
 
-    manifest = stage.run(AdvantagesConfig(scores=str(scores), out=str(out), method=method, balance=balance, std=std))
+    manifest = stage.run(AdvantagesConfig(scores=str(scores), out=str(out), method=method, balance=balance, std=std,
+                                            overwrite=overwrite))
     advantages_view(manifest["summary"])
     _done(out)
 
@@ -142,6 +147,8 @@ def train(
     gradient_checkpointing: bool = typer.Option(False, help="Trade compute for activation memory."),
     max_bad_steps: int = typer.Option(3, help="Stop after this many non-finite steps in a row."),
     seed: int = typer.Option(0, help="Seed of the micro-batch order."),
+    checkpoint_every: int = typer.Option(1, help="Save a resumable checkpoint every N optimizer steps (0: never)."),
+    overwrite: bool = typer.Option(False, help="Clear the output folder first and redo the stage."),
     device: str = _DEVICE, dtype: str = _DTYPE,
 ) -> None:
     """GRPO updates of a LoRA on the cached transitions (accelerate; multi-GPU with `accelerate launch`)."""
@@ -156,7 +163,7 @@ def train(
         clip_range=clip_range, adv_clip=adv_clip, beta=beta, optimizer_steps=optimizer_steps,
         micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision, ema=ema,
         ema_decay=ema_decay, gradient_checkpointing=gradient_checkpointing, max_bad_steps=max_bad_steps, seed=seed,
-        device=device, dtype=dtype,
+        checkpoint_every=checkpoint_every, overwrite=overwrite, device=device, dtype=dtype,
     )
     manifest = stage.run(cfg)
     if manifest:  # only the main process has one under accelerate launch

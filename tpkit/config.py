@@ -100,6 +100,7 @@ class RolloutConfig:
     dtype: str = "auto"  # auto: bf16 on CUDA, float32 on CPU
     device: str = "auto"
     prompts_per_round: int = 0  # 0: every prompt; N: a seeded random subset of N prompts
+    overwrite: bool = False  # clear the output folder first and redo the stage
     rank: int | None = None  # None: $RANK or 0
     world_size: int | None = None  # None: $WORLD_SIZE or 1
 
@@ -149,6 +150,8 @@ class ScoreConfig:
     decode_batch_size: int = 8
     reward_workers: int = 1  # threads scoring images while the transformer runs; 0: score inline
     branch_steps: int = 0  # 0: exact ODE completion; N: at most N steps per branch (faster, approximate)
+    on_nan: str = "stop"  # a non-finite reward: stop and list the trajectories, or drop them (counted)
+    overwrite: bool = False  # clear the output folder first and redo the stage
     dtype: str = "auto"
     device: str = "auto"
     rank: int | None = None
@@ -157,6 +160,7 @@ class ScoreConfig:
     def validate(self) -> "ScoreConfig":
         check_types(self)
         _choice("branches", self.branches, BRANCHES)
+        _choice("on_nan", self.on_nan, ("stop", "drop"))
         if not self.rewards:
             raise ConfigError("no reward given", "pass --reward NAME[=WEIGHT], e.g. --reward jpeg-compressibility")
         for name in ("batch_size", "decode_batch_size"):
@@ -174,6 +178,7 @@ class AdvantagesConfig:
     method: str = "tp-grpo"
     balance: str = "all"
     std: str = "group"
+    overwrite: bool = False  # clear the output folder first and redo the stage
 
     def validate(self) -> "AdvantagesConfig":
         check_types(self)
@@ -201,6 +206,7 @@ class EvalConfig:
     batch_size: int = 8
     max_sequence_length: int = 256
     grid_prompts: int = 8  # prompts shown per grid PNG
+    overwrite: bool = False  # clear the output folder first and redo the stage
     dtype: str = "auto"
     device: str = "auto"
     rank: int | None = None
@@ -251,6 +257,8 @@ class TrainConfig:
     ema_decay: float = 0.95
     gradient_checkpointing: bool = False
     max_bad_steps: int = 3  # stop after this many non-finite losses in a row
+    checkpoint_every: int = 1  # save adapter + optimizer every N optimizer steps (0: only at the end)
+    overwrite: bool = False  # clear the output folder first and redo the stage
     seed: int = 0
     dtype: str = "auto"
     device: str = "auto"
@@ -263,6 +271,7 @@ class TrainConfig:
             _positive(name, getattr(self, name))
         _positive("beta", self.beta, allow_zero=True)
         _positive("micro_batch_size", self.micro_batch_size, allow_zero=True)
+        _positive("checkpoint_every", self.checkpoint_every, allow_zero=True)
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"ema_decay = {self.ema_decay} is not in [0, 1)", "use e.g. 0.95")
         unknown = set(self.lora_targets) - set(LORA_TARGETS)
@@ -318,11 +327,11 @@ def as_path(p: str | Path) -> Path:
 
 # Fields a recipe may not set: `tpkit run` wires them between stages and rounds.
 _WIRED = {
-    "rollout": {"out", "lora", "rank", "world_size", "seed"},
-    "score": {"rollout", "out", "rewards", "reward_options", "rank", "world_size"},
-    "advantages": {"scores", "out", "method"},
-    "train": {"rollout", "advantages", "out", "init_lora", "seed"},
-    "eval": {"model", "lora", "out", "images", "resolution", "rank", "world_size"},
+    "rollout": {"out", "lora", "rank", "world_size", "seed", "overwrite"},
+    "score": {"rollout", "out", "rewards", "reward_options", "rank", "world_size", "overwrite"},
+    "advantages": {"scores", "out", "method", "overwrite"},
+    "train": {"rollout", "advantages", "out", "init_lora", "seed", "overwrite"},
+    "eval": {"model", "lora", "out", "images", "resolution", "rank", "world_size", "overwrite"},
 }
 _SECTIONS = {"rollout": RolloutConfig, "score": ScoreConfig, "advantages": AdvantagesConfig, "train": TrainConfig,
              "eval": EvalConfig}

@@ -91,12 +91,18 @@ def _jsonable(x):
 
 
 def run(cfg: EvalConfig) -> dict | None:
+    """Run (or finish) an evaluation; returns the manifest once every prompt is done."""
+    cfg.validate()
+    with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size):
+        return _run(cfg)
+
+
+def _run(cfg: EvalConfig) -> dict | None:
     from tpkit import sd3
     from tpkit.rewards import load_rewards
     from tpkit.ui import track
 
     # 1. Check inputs: prompts (or an existing image folder), then build the scorers up front.
-    cfg.validate()
     out = Path(cfg.out)
     prompts, folders = _load_prompts(cfg)
     if cfg.kind == "geneval":

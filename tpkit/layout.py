@@ -8,6 +8,7 @@ incomplete. Nothing here unpickles or executes what it reads.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -139,6 +140,55 @@ def check_schema_version(version: Any, where: Path | str) -> None:
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise InputError(f"{where}: schema version {version!r}, this tpkit reads up to {SCHEMA_VERSION}",
                          "upgrade tpkit (pip install -U tpkit) to read files from a newer version")
+
+
+@contextlib.contextmanager
+def stage_lock(folder: Path, rank: int = 0, overwrite: bool = False, world_size: int = 1) -> Iterator[None]:
+    """Hold this rank's exclusive lock on a stage folder while the stage runs.
+
+    A second process started on the same folder and rank by mistake stops at once instead of
+    interleaving files with the first (ranks of one launch lock different files). The kernel drops
+    the lock when the process dies, kill -9 included, so a crash never leaves a stale lock.
+    overwrite: clear the folder first (its files only; one process), to redo a stage on purpose.
+    """
+    import fcntl
+
+    folder = Path(folder)
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / f".lock-r{rank:03d}"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise InputError(f"{folder} is in use by another tpkit process (rank {rank})",
+                         "wait for it to finish, or write to another --out") from None
+    try:
+        if overwrite:
+            if world_size > 1:
+                raise InputError("--overwrite with several processes could delete other ranks' fresh files",
+                                 "run once with --overwrite in one process, or delete the folder first")
+            _clear(folder)
+        yield
+    except BaseException:
+        if created and [p.name for p in folder.iterdir()] == [lock.name]:  # failed before writing anything
+            lock.unlink(missing_ok=True)
+            folder.rmdir()
+        raise
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _clear(folder: Path) -> None:
+    """Remove a stage folder's outputs (keeps the lock files)."""
+    import shutil
+
+    for p in folder.iterdir():
+        if p.name.startswith(".lock-"):
+            continue
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
 def sum_stats(outputs: list[Path]) -> dict:

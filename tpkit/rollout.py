@@ -139,11 +139,16 @@ def write_shard(model, cfg: RolloutConfig, prompts: list[Prompt], sigmas: list[f
 
 def run(cfg: RolloutConfig) -> dict | None:
     """Run (or finish) a rollout. Returns the manifest once every shard exists, else None."""
+    cfg.validate()
+    with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size):
+        return _run(cfg)
+
+
+def _run(cfg: RolloutConfig) -> dict | None:
     from tpkit import sd3
     from tpkit.ui import track
 
     # 1. Check inputs and plan the work: shards of whole prompt groups, this rank's share.
-    cfg.validate()
     out = Path(cfg.out)
     prompts = choose_prompts(layout.load_prompts(Path(cfg.prompts)), cfg)
     shards = plan_shards(prompts, cfg.prompts_per_shard)

@@ -187,11 +187,17 @@ def rows_for_shard(trajs: list[TrajectoryRecord], results: dict, branches: str) 
     return rows
 
 
-def check_finite(rows: list[dict], shard: Path) -> None:
-    bad = sorted({r["trajectory_id"] for r in rows if not math.isfinite(r["reward"])})
-    if bad:
+def check_finite(rows: list[dict], shard: Path, on_nan: str) -> tuple[list[dict], int]:
+    """Rows of trajectories whose every reward is finite, and how many were dropped (on_nan = drop);
+    on_nan = stop raises instead, naming them (nothing is written for the shard)."""
+    bad = sorted({r["trajectory_id"] for r in rows
+                  if not all(math.isfinite(v) for k, v in r.items() if k == "reward" or k.startswith("reward_"))})
+    if bad and on_nan == "stop":
         raise RewardError(f"{shard}: reward is NaN or infinite for {len(bad)} trajectories: {', '.join(bad[:8])}"
-                          + (" ..." if len(bad) > 8 else ""), "fix the reward function; nothing was written for this shard")
+                          + (" ..." if len(bad) > 8 else ""),
+                          "fix the reward function, or pass --on-nan drop to leave those trajectories out; "
+                          "nothing was written for this shard")
+    return [r for r in rows if r["trajectory_id"] not in set(bad)], len(bad)
 
 
 def run(cfg: ScoreConfig, rewards: list[Reward] | None = None) -> dict | None:
@@ -199,13 +205,18 @@ def run(cfg: ScoreConfig, rewards: list[Reward] | None = None) -> dict | None:
 
     `rewards`: already built rewards (`tpkit run` builds them once for all rounds), else built
     here from cfg.rewards / cfg.reward_options."""
+    cfg.validate()
+    with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size):
+        return _run(cfg, rewards)
+
+
+def _run(cfg: ScoreConfig, rewards: list[Reward] | None) -> dict | None:
     import pyarrow as pa
 
     from tpkit import sd3
     from tpkit.ui import track
 
     # 1. Check inputs and build every reward up front (a missing reward model fails here, not halfway).
-    cfg.validate()
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
     rollout = layout.read_manifest(rollout_dir, "rollout")
     shards = layout.list_shards(rollout_dir)
@@ -241,12 +252,11 @@ def run(cfg: ScoreConfig, rewards: list[Reward] | None = None) -> dict | None:
                     check_rollout(trajs, reference, shard)
                     t_read = time.perf_counter() - t0
                     results = scorer.score_shard(prompts, trajs, cfg.branches, advance)
-                    rows = rows_for_shard(trajs, results, cfg.branches)
-                    check_finite(rows, shard)
+                    rows, dropped = check_finite(rows_for_shard(trajs, results, cfg.branches), shard, cfg.on_nan)
                     t0 = time.perf_counter()
                     layout.write_parquet(target(shard), pa.Table.from_pylist(rows))
                     delta = {k: v - before[k] for k, v in vars(scorer.counters).items()}
-                    stats = {"counts": {"trajectories": len(trajs), "rows": len(rows),
+                    stats = {"counts": {"trajectories": len(trajs) - dropped, "dropped_nan": dropped, "rows": len(rows),
                                         **{k: delta[k] for k in ("transformer_calls", "decodes", "reward_calls")}},
                              "seconds": {"read": t_read, "transformer": delta["t_transformer"], "decode": delta["t_decode"],
                                          "reward_wait": delta["t_reward_wait"], "write": time.perf_counter() - t0}}

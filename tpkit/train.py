@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,7 @@ from tpkit.config import TrainConfig, to_dict
 from tpkit.errors import InputError, TpkitError
 from tpkit.layout import EMBED_KEYS
 
-ADAPTER, ADAPTER_EMA, STATE = "adapter", "adapter-ema", "state"
+ADAPTER, ADAPTER_EMA, STATE, CHECKPOINT = "adapter", "adapter-ema", "state", "checkpoint"
 
 
 class TrainError(TpkitError):
@@ -66,6 +68,7 @@ def load_micro_batches(rollout_dir: Path, adv: dict, cfg: TrainConfig) -> tuple[
     """
     groups: dict[tuple[str, int], list] = {}
     embeds: dict[str, dict] = {}
+    with_rows = {tid for tid, _ in adv}
     seen: set[str] = set()
     meta0 = None
     for shard in layout.list_shards(rollout_dir):
@@ -75,6 +78,8 @@ def load_micro_batches(rollout_dir: Path, adv: dict, cfg: TrainConfig) -> tuple[
             m, tens = t.meta, t.tensors
             meta0 = meta0 or m
             seen.add(m["trajectory_id"])
+            if m["trajectory_id"] not in with_rows:  # dropped by `tpkit score --on-nan drop`
+                continue
             a, sig = m["window_start"], m["sigmas"]
             for k in range(1, m["window_size"] + 1):
                 if (m["trajectory_id"], k) not in adv:
@@ -112,13 +117,19 @@ def plan_steps(batches: list[MicroBatch], cfg: TrainConfig, global_step: int) ->
 
 
 def run(cfg: TrainConfig) -> dict:
+    cfg.validate()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    with layout.stage_lock(Path(cfg.out), rank, cfg.overwrite, world):
+        return _run(cfg)
+
+
+def _run(cfg: TrainConfig) -> dict:
     from accelerate import Accelerator
 
     from tpkit import sd3
     from tpkit.ui import track
 
     # 1. Check inputs: the rollout, its advantages, and the state to continue from.
-    cfg.validate()
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
     rollout = layout.read_manifest(rollout_dir, "rollout")
     adv_manifest = layout.read_manifest(cfg.advantages, "advantages")
@@ -129,7 +140,8 @@ def run(cfg: TrainConfig) -> dict:
     batches, embeds, meta = load_micro_batches(rollout_dir, adv, cfg)
     state_in = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
     trainer_state = json.loads((state_in / "trainer.json").read_text()) if state_in and (state_in / "trainer.json").is_file() else {}
-    global_step = trainer_state.get("global_step", 0)
+    global_step = round_start = trainer_state.get("global_step", 0)
+    resume = _read_checkpoint(out) if not (out / layout.MANIFEST).is_file() else None
 
     # 2. Model: transformer only, frozen, with a trainable float32 LoRA (continuing the previous round's).
     # cpu=True also when no GPU exists: only then does accelerate set up gloo DDP under torchrun.
@@ -147,6 +159,11 @@ def run(cfg: TrainConfig) -> dict:
     if state_in and (state_in / "optimizer.pt").is_file():
         optimizer.load_state_dict(torch.load(state_in / "optimizer.pt", map_location="cpu", weights_only=True))
     ema = _load_ema(state_in, model.transformer) if cfg.ema else None
+    metrics, bad_in_row, steps_done = [], 0, 0
+    if resume:  # a killed run of this stage: continue after its last finished optimizer step
+        ema = _restore_checkpoint(out / CHECKPOINT, model.transformer, optimizer, cfg.ema)
+        metrics, bad_in_row, steps_done = resume["metrics"], resume["bad_in_row"], resume["steps_done"]
+        global_step, round_start = resume["global_step"], resume["round_start"]
     transformer, optimizer = accelerator.prepare(model.transformer, optimizer)
     device = accelerator.device
     embeds = {pid: {k: e[k].to(device) for k in EMBED_KEYS} for pid, e in embeds.items()}
@@ -154,14 +171,16 @@ def run(cfg: TrainConfig) -> dict:
                     guidance=meta["guidance"])
 
     # 3. Optimizer steps: each accumulates its share of micro-batches, then clips and steps.
-    steps = plan_steps(batches, cfg, global_step)
+    steps = plan_steps(batches, cfg, round_start)
     if accelerator.num_processes > 1 and min(len(s) for s in steps) < accelerator.num_processes:
         raise TrainError(f"{min(len(s) for s in steps)} micro-batches in an optimizer step for "
                          f"{accelerator.num_processes} processes", "use fewer --optimizer-steps or a larger rollout")
-    metrics, bad_in_row = [], 0
     t_start = time.perf_counter()
     with track(sum(len(s) for s in steps), "train micro-batches") as advance:
-        for step_batches in steps:
+        advance(sum(len(s) for s in steps[:steps_done]))
+        for step_index, step_batches in enumerate(steps):
+            if step_index < steps_done:
+                continue
             t0 = time.perf_counter()
             n_samples = sum(len(b.prompt_ids) for b in step_batches)
             mine = step_batches[accelerator.process_index:: accelerator.num_processes]
@@ -191,6 +210,12 @@ def run(cfg: TrainConfig) -> dict:
             if bad_in_row >= cfg.max_bad_steps:
                 raise TrainError(f"{bad_in_row} optimizer steps in a row had a non-finite loss or gradient",
                                  "lower --learning-rate, check the rewards/advantages, or raise --max-bad-steps")
+            if cfg.checkpoint_every and (step_index + 1) % cfg.checkpoint_every == 0 and step_index + 1 < len(steps):
+                if accelerator.is_main_process:
+                    _write_checkpoint(out / CHECKPOINT, accelerator.unwrap_model(transformer), optimizer, ema, {
+                        "steps_done": step_index + 1, "global_step": global_step, "round_start": round_start,
+                        "metrics": metrics, "bad_in_row": bad_in_row})
+                accelerator.wait_for_everyone()
 
     # 4. Save (main process): adapter, EMA adapter, optimizer/EMA state, metrics, then the manifest.
     accelerator.wait_for_everyone()
@@ -211,7 +236,9 @@ def run(cfg: TrainConfig) -> dict:
                     "processes": accelerator.num_processes,
                     "nonfinite_steps": sum(not m["finite"] for m in metrics)},
             seconds={"train": time.perf_counter() - t_start}, last_metrics=metrics[-1] if metrics else {},
+            resumed_from_step=steps_done,
         )
+        shutil.rmtree(out / CHECKPOINT, ignore_errors=True)  # the finished stage supersedes it
     accelerator.wait_for_everyone()
     return manifest or {}
 
@@ -290,3 +317,45 @@ def _save_state(folder: Path, optimizer, ema: dict | None, global_step: int) -> 
     if ema is not None:
         layout.atomic_write(folder / "ema.safetensors", save({k: v.contiguous() for k, v in ema.items()}))
     layout.atomic_write_json(folder / "trainer.json", {"global_step": global_step})
+
+
+# ---- mid-round checkpoints: a killed train resumes after its last finished optimizer step -----
+
+
+def _write_checkpoint(folder: Path, transformer, optimizer, ema: dict | None, progress: dict) -> None:
+    """LoRA weights, optimizer, EMA and progress, swapped in as a whole folder (never half-written)."""
+    from safetensors.torch import save
+
+    from tpkit import sd3
+
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = {k: v.detach().float().cpu().contiguous() for k, v in sd3.lora_state(transformer).items()}
+    layout.atomic_write(tmp / "lora.safetensors", save(state))
+    _save_state(tmp, optimizer, ema, progress["global_step"])
+    layout.atomic_write_json(tmp / "progress.json", progress)
+    old = folder.with_name(f".{folder.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _read_checkpoint(out: Path) -> dict | None:
+    path = out / CHECKPOINT / "progress.json"
+    if not path.is_file():
+        old = out / f".{CHECKPOINT}.old" / "progress.json"  # killed between the two renames
+        if not old.is_file():
+            return None
+        os.replace(old.parent, out / CHECKPOINT)
+    return json.loads((out / CHECKPOINT / "progress.json").read_text())
+
+
+def _restore_checkpoint(folder: Path, transformer, optimizer, with_ema: bool) -> dict | None:
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(transformer, load_file(folder / "lora.safetensors"), adapter_name="default")
+    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
+    return load_file(folder / "ema.safetensors") if with_ema and (folder / "ema.safetensors").is_file() else None
