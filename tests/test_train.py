@@ -292,3 +292,38 @@ def test_loads_no_text_encoder_and_no_vae(tiny_run, tmp_path, monkeypatch):
     assert calls[0].get("text_encoders") is False
     assert calls[0].get("vae") is False
     assert metrics(tmp_path / "train")[0]["ratio_mean"] == 1.0
+
+
+def test_killed_train_resumes_from_its_checkpoint_with_the_same_result(tiny_run, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from tpkit import train as train_mod
+
+    kw = dict(rollout=str(tiny_run / "rollout"), advantages=str(tiny_run / "advantages"), lora_rank=4, lora_alpha=8,
+              learning_rate=1e-2, optimizer_steps=3, beta=1e-4)
+    train_mod.run(TrainConfig(out=str(tmp_path / "clean"), **kw))
+
+    real = train_mod._metrics_line
+    calls = {"n": 0}
+
+    def dies_on_step_two(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("simulated kill")
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_mod, "_metrics_line", dies_on_step_two)
+    with pytest.raises(KeyboardInterrupt):
+        train_mod.run(TrainConfig(out=str(tmp_path / "killed"), **kw))
+    assert (tmp_path / "killed" / "checkpoint" / "progress.json").is_file()
+    assert not (tmp_path / "killed" / "manifest.json").exists()
+    monkeypatch.setattr(train_mod, "_metrics_line", real)
+    m = train_mod.run(TrainConfig(out=str(tmp_path / "killed"), **kw))
+    assert m["resumed_from_step"] == 1 and not (tmp_path / "killed" / "checkpoint").exists()
+    a = load_file(tmp_path / "clean" / "adapter" / "pytorch_lora_weights.safetensors")
+    b = load_file(tmp_path / "killed" / "adapter" / "pytorch_lora_weights.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ma = [json.loads(x) for x in (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()]
+    mb = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in x.items() if k != "seconds"} for x in ma] == \
+           [{k: v for k, v in x.items() if k != "seconds"} for x in mb]

@@ -271,6 +271,24 @@ def prompts_geneval(
 
 
 @app.command()
+def doctor(
+    recipe: Optional[Path] = typer.Argument(None, metavar="[RECIPE]",
+                                            help="Recipe to check (its model, rewards, prompts and disk needs)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default: the recipe's out, else here)."),
+    model: Optional[str] = typer.Option(None, help="Hub id, local folder or tiny-sd3 (replaces the recipe's)."),
+    reward: List[str] = typer.Option([], help="NAME[=WEIGHT] of a reward to check, repeatable (besides the recipe's)."),
+    reward_opt: List[str] = typer.Option([], help="NAME.OPTION=VALUE, e.g. pickscore.model=/models/PickScore_v1."),
+) -> None:
+    """Check the environment before a long run: torch/CUDA, libraries, disk, models and reward weights (offline)."""
+    from tpkit import doctor as checks_
+
+    checks = checks_.run(str(recipe) if recipe else None, out=str(out) if out else None, model=model,
+                         rewards=list(reward), reward_opts=list(reward_opt))
+    checks_.render(checks)
+    raise typer.Exit(checks_.exit_code(checks))
+
+
+@app.command()
 def inspect(path: Path = typer.Argument(..., help="A stage folder, a .tar shard or a .parquet file.")) -> None:
     """Readable summary of a stage folder, a shard or a Parquet file."""
     from tpkit.show import inspect as show_inspect
@@ -317,7 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     import click
 
     try:
-        app(args=argv, prog_name="tpkit", standalone_mode=False)
+        code = app(args=argv, prog_name="tpkit", standalone_mode=False)  # typer.Exit(n) comes back as n
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except TpkitError as e:
         if debug:
             raise
