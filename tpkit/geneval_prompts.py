@@ -47,8 +47,6 @@ Only the standard library is imported.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -515,21 +513,11 @@ def validate(item: Mapping[str, Any]) -> None:
 
 
 def write_jsonl(path: Path | str, items: Iterable[Mapping[str, Any]]) -> Path:
-    """One JSON object a line (GenEval's format: `json.dumps` defaults), written to a temporary file
-    in the same folder and renamed into place."""
+    """One JSON object a line (GenEval's format: `json.dumps` defaults), written atomically."""
+    from tpkit.layout import atomic_write
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = "".join(json.dumps(dict(it)) + "\n" for it in items).encode()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, "".join(json.dumps(dict(it)) + "\n" for it in items).encode())
     return path
 
 
