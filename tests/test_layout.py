@@ -173,7 +173,7 @@ def make_shard(path: Path, members: int = 3, **meta_over) -> Path:
                               {k: torch.ones(1, 3, 4) * i for i, k in enumerate(layout.EMBED_KEYS)}))
     for m in range(members):
         w.add_trajectory(TrajectoryRecord(_meta(f"p0-m{m:03d}", "p0", m, **meta_over), _tensors(m), _png()))
-    w.write(path)
+    layout.atomic_write(path, w.to_bytes())
     return path
 
 

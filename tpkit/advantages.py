@@ -199,17 +199,19 @@ def _run(cfg: AdvantagesConfig) -> dict:
     info = summary(m, a)
     return layout.write_manifest(out, "advantages", to_dict(cfg), inputs={"scores": str(cfg.scores)},
                                  counts={"rows": info["rows"], "trajectories": info["trajectories"]}, summary=info,
-                                 rollout_id=_rollout_id_of(Path(cfg.scores)))
+                                 **_from_score_manifest(Path(cfg.scores)))
 
 
-def _rollout_id_of(scores: Path) -> str | None:
-    """The rollout a `tpkit score` folder came from (None for tables made elsewhere)."""
+def _from_score_manifest(scores: Path) -> dict:
+    """What a `tpkit score` folder says about its rollout: its id, and the trajectories it dropped
+    on purpose (--on-nan drop), so train can tell those from missing ones. {} for other tables."""
     import json
 
     manifest = scores / layout.MANIFEST if scores.is_dir() else None
     if manifest is None or not manifest.is_file():
-        return None
+        return {}
     try:
-        return json.loads(manifest.read_text()).get("rollout_id")
+        m = json.loads(manifest.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
+        return {}
+    return {"rollout_id": m.get("rollout_id"), "dropped_trajectories": m.get("dropped_trajectories", [])}

@@ -170,6 +170,7 @@ def stage_lock(folder: Path, rank: int = 0, overwrite: bool = False, world_size:
                 raise InputError("--overwrite with several processes could delete other ranks' fresh files",
                                  "run once with --overwrite in one process, or delete the folder first")
             _clear(folder)
+        remove_stale_temps(folder, rank, world_size)
         yield
     except BaseException:
         if created and [p.name for p in folder.iterdir()] == [lock.name]:  # failed before writing anything
@@ -191,6 +192,26 @@ def _clear(folder: Path) -> None:
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
+def write_output(path: Path, data: bytes, stats: dict) -> None:
+    """An output file and its stats sidecar: the sidecar first, so that every output that exists
+    has its stats (a kill between the two leaves only a sidecar, rewritten by the rerun)."""
+    atomic_write_json(Path(path).with_name(stats_name(path)), stats)
+    atomic_write(path, data)
+
+
+def remove_stale_temps(folder: Path, rank: int, world_size: int) -> None:
+    """Delete temporary files and folders (`.NAME.*.tmp`) that a killed run of this stage left.
+
+    Called with the stage lock held; with several ranks only names carrying this rank are touched
+    (the others' may be in progress)."""
+    import shutil
+
+    for p in Path(folder).rglob(".*.tmp"):
+        if world_size > 1 and f"-r{rank:03d}-" not in p.name:
+            continue
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
 def sum_stats(outputs: list[Path]) -> dict:
     """Add up the numeric fields of the outputs' stats sidecars (counts and seconds per phase)."""
     total: dict = {}
@@ -198,6 +219,8 @@ def sum_stats(outputs: list[Path]) -> dict:
         side = Path(out).with_name(stats_name(out))
         stats = json.loads(side.read_text()) if side.is_file() else {}
         for group, values in stats.items():
+            if not isinstance(values, dict):
+                continue
             for k, v in values.items():
                 total.setdefault(group, {})
                 total[group][k] = round(total[group].get(k, 0) + v, 3)
@@ -273,12 +296,12 @@ class ShardWriter:
         self._add(key, FINAL_PNG, rec.final_png)
         self._trajs.append(key)
 
-    def write(self, path: Path) -> None:
+    def to_bytes(self) -> bytes:
         # Last member: what the shard holds. A tar cut at a member boundary still reads cleanly,
         # so readers require this index and check it against what they found.
         self._add(INDEX_KEY, "json", json.dumps({"prompts": self._prompts, "trajectories": self._trajs}).encode())
         self._tar.close()
-        atomic_write(path, self._buf.getvalue())
+        return self._buf.getvalue()
 
 
 def _members(path: Path) -> Iterator[tuple[str, str, bytes]]:
@@ -353,12 +376,16 @@ def _json(data: bytes, where: str) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def write_parquet(path: Path, table) -> None:
+def parquet_bytes(table) -> bytes:
     import pyarrow.parquet as pq
 
     buf = io.BytesIO()
     pq.write_table(table, buf)
-    atomic_write(path, buf.getvalue())
+    return buf.getvalue()
+
+
+def write_parquet(path: Path, table) -> None:
+    atomic_write(path, parquet_bytes(table))
 
 
 def read_parquet_tables(path: Path, what: str) -> "Any":

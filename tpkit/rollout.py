@@ -102,8 +102,8 @@ def trajectory_meta(cfg: RolloutConfig, prompt: Prompt, member: int, seed: int, 
 
 
 def write_shard(model, cfg: RolloutConfig, prompts: list[Prompt], sigmas: list[float], start: int, path: Path,
-                shard: int, advance=lambda n: None) -> dict:
-    """Sample every member of these prompts and write them as one shard. Returns its stats."""
+                shard: int, advance=lambda n: None) -> None:
+    """Sample every member of these prompts and write them as one shard (with its stats sidecar)."""
     t0 = time.perf_counter()
     emb = model.encode([p.prompt for p in prompts], cfg.max_sequence_length)
     t_encode = time.perf_counter() - t0
@@ -129,12 +129,12 @@ def write_shard(model, cfg: RolloutConfig, prompts: list[Prompt], sigmas: list[f
             writer.add_trajectory(TrajectoryRecord(meta, tensors, png_bytes(images[n])))
         advance(len(batch))
     t0 = time.perf_counter()
-    writer.write(path)
-    return {
+    data = writer.to_bytes()
+    layout.write_output(path, data, {
         "counts": {"prompts": len(prompts), "trajectories": len(jobs), "transformer_calls": len(jobs) * cfg.steps,
                    "decodes": len(jobs)},
         "seconds": {"encode": t_encode, "sample": t_sample, "decode": t_decode, "write": time.perf_counter() - t0},
-    }
+    })
 
 
 def run(cfg: RolloutConfig) -> dict | None:
@@ -168,8 +168,7 @@ def _run(cfg: RolloutConfig) -> dict | None:
         with track(sum(len(shards[i]) for i in todo) * cfg.group_size, "rollout") as advance:
             for i in todo:
                 path = out / layout.shard_name(cfg.rank, i)
-                stats = write_shard(model, cfg, shards[i], sigmas, start, path, i, advance)
-                layout.atomic_write_json(path.with_name(layout.stats_name(path)), stats)
+                write_shard(model, cfg, shards[i], sigmas, start, path, i, advance)
 
     # 4. The last rank to finish writes the manifest, summing every shard's stats.
     done = [existing(i) for i in range(len(shards))]

@@ -187,8 +187,8 @@ def rows_for_shard(trajs: list[TrajectoryRecord], results: dict, branches: str) 
     return rows
 
 
-def check_finite(rows: list[dict], shard: Path, on_nan: str) -> tuple[list[dict], int]:
-    """Rows of trajectories whose every reward is finite, and how many were dropped (on_nan = drop);
+def check_finite(rows: list[dict], shard: Path, on_nan: str) -> tuple[list[dict], list[str]]:
+    """Rows of trajectories whose every reward is finite, and the ids dropped (on_nan = drop);
     on_nan = stop raises instead, naming them (nothing is written for the shard)."""
     bad = sorted({r["trajectory_id"] for r in rows
                   if not all(math.isfinite(v) for k, v in r.items() if k == "reward" or k.startswith("reward_"))})
@@ -197,7 +197,7 @@ def check_finite(rows: list[dict], shard: Path, on_nan: str) -> tuple[list[dict]
                           + (" ..." if len(bad) > 8 else ""),
                           "fix the reward function, or pass --on-nan drop to leave those trajectories out; "
                           "nothing was written for this shard")
-    return [r for r in rows if r["trajectory_id"] not in set(bad)], len(bad)
+    return [r for r in rows if r["trajectory_id"] not in set(bad)], bad
 
 
 def run(cfg: ScoreConfig, rewards: list[Reward] | None = None) -> dict | None:
@@ -254,13 +254,15 @@ def _run(cfg: ScoreConfig, rewards: list[Reward] | None) -> dict | None:
                     results = scorer.score_shard(prompts, trajs, cfg.branches, advance)
                     rows, dropped = check_finite(rows_for_shard(trajs, results, cfg.branches), shard, cfg.on_nan)
                     t0 = time.perf_counter()
-                    layout.write_parquet(target(shard), pa.Table.from_pylist(rows))
+                    data = layout.parquet_bytes(pa.Table.from_pylist(rows))
                     delta = {k: v - before[k] for k, v in vars(scorer.counters).items()}
-                    stats = {"counts": {"trajectories": len(trajs) - dropped, "dropped_nan": dropped, "rows": len(rows),
+                    stats = {"counts": {"trajectories": len(trajs) - len(dropped), "dropped_nan": len(dropped),
+                                        "rows": len(rows),
                                         **{k: delta[k] for k in ("transformer_calls", "decodes", "reward_calls")}},
                              "seconds": {"read": t_read, "transformer": delta["t_transformer"], "decode": delta["t_decode"],
-                                         "reward_wait": delta["t_reward_wait"], "write": time.perf_counter() - t0}}
-                    layout.atomic_write_json(target(shard).with_name(layout.stats_name(target(shard))), stats)
+                                         "reward_wait": delta["t_reward_wait"], "write": time.perf_counter() - t0},
+                             "dropped_trajectories": dropped}
+                    layout.write_output(target(shard), data, stats)
         finally:
             scorer.close()
 
@@ -274,4 +276,12 @@ def _run(cfg: ScoreConfig, rewards: list[Reward] | None) -> dict | None:
         rollout_id=rollout.get("rollout_id"),
         counts=stats.get("counts", {}), seconds=stats.get("seconds", {}),
         reward_columns=["reward"] + [r.column for r in rewards], files=[f.name for f in files],
+        dropped_trajectories=sorted(t for f in files for t in _sidecar(f).get("dropped_trajectories", [])),
     )
+
+
+def _sidecar(output: Path) -> dict:
+    import json
+
+    side = output.with_name(layout.stats_name(output))
+    return json.loads(side.read_text()) if side.is_file() else {}

@@ -337,7 +337,7 @@ def save_lora(transformer_or_state, config, folder: Path) -> None:
     state = transformer_or_state if isinstance(transformer_or_state, dict) else lora_state(transformer_or_state)
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
     try:
         StableDiffusion3Pipeline.save_lora_weights(
             tmp, transformer_lora_layers={k: v.detach().cpu() for k, v in state.items()},

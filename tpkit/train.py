@@ -61,8 +61,12 @@ def read_advantages(folder: Path) -> dict[tuple[str, int], float]:
     return dict(zip(zip(table["trajectory_id"].to_pylist(), table["step"].to_pylist()), adv.tolist()))
 
 
-def load_micro_batches(rollout_dir: Path, adv: dict, cfg: TrainConfig) -> tuple[list[MicroBatch], dict, dict]:
+def load_micro_batches(rollout_dir: Path, adv: dict, cfg: TrainConfig, dropped: set[str] = frozenset()
+                       ) -> tuple[list[MicroBatch], dict, dict]:
     """All transitions of the rollout with their advantages, grouped as the rollout batched them.
+
+    Trajectories that score dropped on purpose (`dropped`, from --on-nan drop) are left out; any
+    other trajectory without advantages is an error.
 
     Returns (micro-batches, prompt embeddings by prompt_id, rollout settings of the first trajectory).
     """
@@ -78,8 +82,8 @@ def load_micro_batches(rollout_dir: Path, adv: dict, cfg: TrainConfig) -> tuple[
             m, tens = t.meta, t.tensors
             meta0 = meta0 or m
             seen.add(m["trajectory_id"])
-            if m["trajectory_id"] not in with_rows:  # dropped by `tpkit score --on-nan drop`
-                continue
+            if m["trajectory_id"] in dropped and m["trajectory_id"] not in with_rows:
+                continue  # left out by `tpkit score --on-nan drop`
             a, sig = m["window_start"], m["sigmas"]
             for k in range(1, m["window_size"] + 1):
                 if (m["trajectory_id"], k) not in adv:
@@ -137,7 +141,7 @@ def _run(cfg: TrainConfig) -> dict:
         raise InputError(f"{cfg.advantages} were computed from another rollout than {rollout_dir}",
                          "pass the rollout folder that was scored for these advantages (same round)")
     adv = read_advantages(Path(cfg.advantages))
-    batches, embeds, meta = load_micro_batches(rollout_dir, adv, cfg)
+    batches, embeds, meta = load_micro_batches(rollout_dir, adv, cfg, set(adv_manifest.get("dropped_trajectories", [])))
     state_in = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
     trainer_state = json.loads((state_in / "trainer.json").read_text()) if state_in and (state_in / "trainer.json").is_file() else {}
     global_step = round_start = trainer_state.get("global_step", 0)
