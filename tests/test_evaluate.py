@@ -15,11 +15,12 @@ from tpkit.errors import ConfigError
 from tpkit.rewards import load_rewards, score_images
 
 STEPS = 6  # a short ODE keeps the tests quick; the default is 40
+BATCH = 2  # one prompt (2 images) per generation batch, so that 2 ranks both get work
 
 
 def _cfg(tmp_path, prompts, name, **kw) -> EvalConfig:
     base = dict(kind="reward", prompts=str(prompts), out=str(tmp_path / name), rewards={"brightness": 1.0},
-                images_per_prompt=2, steps=STEPS)
+                images_per_prompt=2, steps=STEPS, batch_size=BATCH)
     return EvalConfig(**{**base, **kw})
 
 
@@ -66,6 +67,38 @@ def test_two_ranks_give_the_same_results_as_one(one_eval, two_prompts):
     b = [json.loads(x) for x in (tmp / "ranks" / "results.jsonl").read_text().splitlines()]
     strip = lambda rows: [{k: v for k, v in r.items() if k != "image"} for r in rows]  # noqa: E731
     assert strip(a) == strip(b)
+
+
+def test_prompt_batches_do_not_depend_on_ranks_or_resume():
+    cfg = EvalConfig(kind="reward", images_per_prompt=3, batch_size=8)
+    assert evaluate.prompt_batches(5, cfg) == [[0, 1], [2, 3], [4]]
+    assert evaluate.prompt_batches(2, EvalConfig(kind="reward", images_per_prompt=9, batch_size=4)) == [[0], [1]]
+
+
+def test_interrupted_run_resumes_to_identical_images(one_eval, two_prompts, monkeypatch):
+    """A killed run leaves a prompt with some images and no results.json; the rerun recomputes
+    them in the same transformer batch as the uninterrupted run: same bytes, same rewards."""
+    from tpkit import sd3
+
+    tmp, _ = one_eval
+    sizes = []
+    velocity = sd3.SD3.velocity
+    monkeypatch.setattr(sd3.SD3, "velocity", lambda self, x, *a, **kw: sizes.append(len(x)) or velocity(self, x, *a, **kw))
+    cfg = dict(rewards={"brightness": 1.0, "jpeg-compressibility": 0.5}, batch_size=4)
+    evaluate.run(_cfg(tmp, two_prompts, "whole", **cfg))
+    evaluate.run(_cfg(tmp, two_prompts, "killed", **cfg))
+    killed = tmp / "killed"
+    for f in (killed / "manifest.json", killed / "results.jsonl", killed / "images" / "00001" / "results.json",
+              killed / "images" / "00001" / "samples" / "0001.png"):
+        f.unlink()
+    sizes.clear()
+    evaluate.run(_cfg(tmp, two_prompts, "killed", **cfg))
+    assert sizes == [4] * STEPS  # the whole batch again, not the one missing image alone
+    for png in sorted((tmp / "whole" / "images").rglob("*.png")):
+        assert png.read_bytes() == (killed / png.relative_to(tmp / "whole")).read_bytes()
+    rows = lambda d: [{k: v for k, v in json.loads(x).items() if k != "image"}  # noqa: E731
+                      for x in (d / "results.jsonl").read_text().splitlines()]
+    assert rows(tmp / "whole") == rows(killed)
 
 
 def test_rerun_resumes_without_redoing(one_eval, two_prompts):

@@ -7,8 +7,11 @@ per image) into GenEval's folder layout, or read from such a folder (`--images`)
     OUT/images/00000/samples/0000.png   its images
     OUT/images/00000/results.json       per image: seed, rewards or GenEval verdict (written last)
 
-Work is split by prompt (prompt i goes to rank i % world), each prompt finished atomically, so a
-rerun resumes and any number of processes can share a run. Whoever finishes last merges
+Work is split by generation batch: consecutive prompts fill a batch of `batch_size` images, and
+batch c goes to rank c % world. A batch always holds the same images (whatever the number of ranks
+or what an interrupted run finished), so results do not depend on either (matmuls are not
+batch-invariant). Each prompt is finished atomically, so a rerun resumes and any number of
+processes can share a run. Whoever finishes last merges
 everything into results.jsonl, summary.json, grid PNGs and manifest.json.
 """
 
@@ -37,8 +40,17 @@ def sample_path(folder: Path, j: int) -> Path:
     return folder / "samples" / f"{j:04d}.png"
 
 
+def prompt_batches(n_prompts: int, cfg: EvalConfig) -> list[list[int]]:
+    """Prompt indices per generation batch: batch_size // images_per_prompt whole prompts (at least
+    one; a prompt with more images than batch_size spans several transformer batches of its own)."""
+    per = max(1, cfg.batch_size // cfg.images_per_prompt)
+    return [list(range(i, min(i + per, n_prompts))) for i in range(0, n_prompts, per)]
+
+
 def generate(model, prompts: list[layout.Prompt], indices: list[int], cfg: EvalConfig, out: Path) -> None:
-    """ODE-sample images_per_prompt images per prompt into the GenEval layout."""
+    """ODE-sample images_per_prompt images for each prompt of one generation batch into the GenEval
+    layout. Transformer batches are cut from all the batch's images, not only the missing ones, so
+    a resumed run computes every image in the same batch as an uninterrupted one."""
     import torch
 
     from tpkit import formulas
@@ -47,10 +59,11 @@ def generate(model, prompts: list[layout.Prompt], indices: list[int], cfg: EvalC
 
     sigmas = model.sigmas(cfg.steps)
     shape = model.latent_shape(cfg.resolution)
-    jobs = [(i, j) for i in indices for j in range(cfg.images_per_prompt)
-            if not sample_path(prompt_dir(out, i), j).is_file()]
+    jobs = [(i, j) for i in indices for j in range(cfg.images_per_prompt)]
     for b in range(0, len(jobs), cfg.batch_size):
         batch = jobs[b: b + cfg.batch_size]
+        if all(sample_path(prompt_dir(out, i), j).is_file() for i, j in batch):
+            continue
         emb = model.encode([prompts[i].prompt for i, _ in batch], cfg.max_sequence_length)
         seeds = [derive_seed(cfg.seed, "eval", prompts[i].prompt_id, j) for i, j in batch]
         x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(model.device)
@@ -59,7 +72,8 @@ def generate(model, prompts: list[layout.Prompt], indices: list[int], cfg: EvalC
                 v = model.velocity(x, torch.full((len(batch),), sigmas[t]), emb, cfg.guidance)
                 x = formulas.ode_step(x, v, sigmas[t], sigmas[t + 1])
         for (i, j), image in zip(batch, model.decode(x)):
-            layout.atomic_write(sample_path(prompt_dir(out, i), j), png_bytes(image))
+            if not sample_path(prompt_dir(out, i), j).is_file():
+                layout.atomic_write(sample_path(prompt_dir(out, i), j), png_bytes(image))
 
 
 def read_images(folder: Path) -> tuple[list, list[Path]]:
@@ -119,9 +133,13 @@ def _run(cfg: EvalConfig) -> dict | None:
         rewards = load_rewards(cfg.rewards, cfg.reward_options)
         scorer = lambda p, images: score_prompt_rewards(rewards, p, images)  # noqa: E731
 
-    # 2. This rank's prompts that have no results yet.
-    mine = [i for i in range(len(prompts)) if i % cfg.world_size == cfg.rank
-            and not (prompt_dir(out, i) / "results.json").is_file()]
+    # 2. This rank's generation batches, and their prompts that have no results yet.
+    def unfinished(i: int) -> bool:
+        return not (prompt_dir(out, i) / "results.json").is_file()
+
+    batches = [c for n, c in enumerate(prompt_batches(len(prompts), cfg)) if n % cfg.world_size == cfg.rank
+               and any(unfinished(i) for i in c)]
+    mine = [i for c in batches for i in c if unfinished(i)]
 
     # 3. Generate the missing images (unless scoring an existing folder).
     if mine and not cfg.images:
@@ -129,10 +147,9 @@ def _run(cfg: EvalConfig) -> dict | None:
         for i in mine:
             _write_metadata(prompt_dir(out, i), prompts[i].metadata)
         with track(len(mine), f"eval: generate ({cfg.images_per_prompt} images per prompt)") as advance:
-            for b in range(0, len(mine), max(1, cfg.batch_size // cfg.images_per_prompt)):
-                chunk = mine[b: b + max(1, cfg.batch_size // cfg.images_per_prompt)]
-                generate(model, prompts, chunk, cfg, out)
-                advance(len(chunk))
+            for c in batches:
+                generate(model, prompts, c, cfg, out)
+                advance(sum(map(unfinished, c)))
 
     # 4. Score every image of each prompt; results.json is the prompt's completion marker.
     with track(len(mine), f"eval: {cfg.kind}") as advance:
