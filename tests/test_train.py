@@ -327,3 +327,41 @@ def test_killed_train_resumes_from_its_checkpoint_with_the_same_result(tiny_run,
     mb = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert [{k: v for k, v in x.items() if k != "seconds"} for x in ma] == \
            [{k: v for k, v in x.items() if k != "seconds"} for x in mb]
+
+
+def test_score_merges_the_policy_adapter_and_matches_it_unmerged(trained, two_prompts, tmp_path, monkeypatch):
+    """Score (an inference-only stage) merges the rollout's LoRA into the weights: its branch rewards
+    equal those of the separate peft adapter up to float rounding, and the pipeline it used has no
+    LoRA layers left. Rollout keeps the adapter separate (train's ratio-1 replay needs its numbers)."""
+    from tpkit import score
+    from tpkit.config import ScoreConfig
+
+    lora = str(trained / train.ADAPTER)
+    rollout.run(RolloutConfig(prompts=str(two_prompts), out=str(tmp_path / "rollout"), group_size=2, steps=6,
+                              window_size=5, window_range=(0, 5), lora=lora))
+    cached = next(iter(sd3._CACHE.values()))
+    assert not cached.lora_fused and any("lora" in n for n, _ in cached.transformer.named_modules())
+
+    def rewards(name: str) -> np.ndarray:
+        score.run(ScoreConfig(rollout=str(tmp_path / "rollout"), out=str(tmp_path / name), rewards={"brightness": 1.0}))
+        t = layout.read_parquet_tables(tmp_path / name, "score").sort_by([("trajectory_id", "ascending"), ("branch", "ascending")])
+        return np.asarray(t["reward"].to_pylist())
+
+    merged = rewards("merged")
+    model = next(iter(sd3._CACHE.values()))
+    assert model is cached and model.lora_fused  # the rollout's pipeline, merged in place
+    assert not any("lora" in n for n, _ in model.transformer.named_modules())
+    again = sd3.load("tiny-sd3", lora=lora, reuse=True)  # what the next rollout asks for
+    assert again is not model and not again.lora_fused
+
+    sd3.release()
+    monkeypatch.setattr(sd3, "_fuse", lambda m: None)  # keep peft's separate adapter
+    separate = rewards("separate")
+    assert np.abs(merged - separate).max() < 1e-5
+
+    # The merged weights are the adapter's, not the base model's.
+    base = sd3.load("tiny-sd3", text_encoders=False)
+    x, sigma = torch.randn(1, *base.latent_shape(64), generator=torch.Generator().manual_seed(0)), torch.tensor([0.5])
+    emb = next(iter(layout.read_shard(layout.list_shards(tmp_path / "rollout")[0])[0].values())).embeds
+    with torch.no_grad():
+        assert (model.velocity(x, sigma, emb, 4.5) - base.velocity(x, sigma, emb, 4.5)).abs().max() > 1e-4

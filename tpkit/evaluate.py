@@ -143,7 +143,7 @@ def _run(cfg: EvalConfig) -> dict | None:
 
     # 3. Generate the missing images (unless scoring an existing folder).
     if mine and not cfg.images:
-        model = sd3.load(cfg.model, cfg.device, cfg.dtype, text_encoders=True, lora=cfg.lora, reuse=True)
+        model = sd3.load(cfg.model, cfg.device, cfg.dtype, text_encoders=True, lora=cfg.lora, reuse=True, fuse_lora=True)
         for i in mine:
             _write_metadata(prompt_dir(out, i), prompts[i].metadata)
         with track(len(mine), f"eval: generate ({cfg.images_per_prompt} images per prompt)") as advance:

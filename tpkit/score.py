@@ -2,9 +2,11 @@
 
 R_k = R(decode(ODE(s_k))) for k = 0..K-1; R_K is the trajectory's own final image, read from the
 shard and never recomputed. Branches of all trajectories and states of a shard share transformer
-batches (per-sample timesteps, continuous refill as branches finish), and each branch's first step
-reuses the rollout's velocity v(s_k), so a trajectory costs sum_k (T - a - k - 1) calls here
-(45 for T = 10, K = 9); `--branch-steps N` caps each branch at N steps of a coarser schedule. Decoded images are scored on a worker thread while the transformer runs.
+batches (per-sample timesteps, longest branches first, continuous refill as branches finish), and
+each branch's first step reuses the rollout's velocity v(s_k), so a trajectory costs
+sum_k (T - a - k - 1) calls here (45 for T = 10, K = 9); `--branch-steps N` caps each branch at N
+steps of a coarser schedule. Decoded images are scored on a worker thread while the transformer
+runs. A policy LoRA is merged into the weights here (score's numbers need not match train's).
 """
 
 from __future__ import annotations
@@ -39,13 +41,18 @@ class Branch:
     p: int  # position in it: x is at sigmas[p]
 
     @property
+    def remaining(self) -> int:
+        return len(self.sigmas) - 1 - self.p
+
+    @property
     def done(self) -> bool:
-        return self.p >= len(self.sigmas) - 1
+        return self.remaining <= 0
 
 
 @dataclass
 class Counters:
-    transformer_calls: int = 0
+    transformer_calls: int = 0  # samples (a CFG pair counts once)
+    transformer_batches: int = 0  # forward passes
     decodes: int = 0
     reward_calls: int = 0
     t_transformer: float = 0.0
@@ -121,13 +128,16 @@ class BranchScorer:
 
         # First step of branch k reuses v(s_k) from the rollout: no transformer call. Its schedule is
         # the rest of the rollout's (exact), or at most branch_steps steps of it (--branch-steps).
-        pending: deque[Branch] = deque()
+        branches: list[Branch] = []
         for n, t in enumerate(trajs):
             for k in range(K):
                 sched = formulas.branch_schedule(sigmas, a + k, cfg.branch_steps)
                 x = formulas.ode_step(t.tensors["states"][k: k + 1].to(model.device),
                                       t.tensors["velocities"][k: k + 1].to(model.device), sched[0], sched[1])[0]
-                pending.append(Branch(n, k, x, sched, 1))
+                branches.append(Branch(n, k, x, sched, 1))
+        # Longest first: the short branches left at the end drain the queue in full batches (for
+        # T = 10, K = 9 and 16 trajectories at batch 32: 23 transformer batches, the minimum, not 27).
+        pending = deque(sorted(branches, key=lambda b: b.remaining, reverse=True))
         active: list[Branch] = []
         finished: list[Branch] = []
         futures: list[Future] = []
@@ -156,6 +166,7 @@ class BranchScorer:
                     v = model.velocity(x, sig, {k: e[rows] for k, e in emb.items()}, w)
                     x_next = formulas.ode_step(x, v, sig.to(x.device), sig_next.to(x.device))
                 c.transformer_calls += len(active)
+                c.transformer_batches += 1
                 c.t_transformer += time.perf_counter() - t0
                 for b, xn in zip(active, x_next):
                     b.x, b.p = xn, b.p + 1
@@ -231,12 +242,13 @@ def _run(cfg: ScoreConfig, rewards: list[Reward] | None) -> dict | None:
 
     todo = [s for s in shards if layout.shard_index(s) % cfg.world_size == cfg.rank and not target(s).is_file()]
 
-    # 3. Load transformer and VAE only (no text encoders), with the rollout's policy.
+    # 3. Load transformer and VAE only (no text encoders), with the rollout's policy (LoRA merged).
     if todo:
         rc = rollout["config"]
         model = None
         if cfg.branches == "all":
-            model = sd3.load(rc["model"], cfg.device, cfg.dtype, text_encoders=False, lora=rc["lora"], reuse=True)
+            model = sd3.load(rc["model"], cfg.device, cfg.dtype, text_encoders=False, lora=rc["lora"], reuse=True,
+                             fuse_lora=True)
         scorer = BranchScorer(model, rewards, cfg)
         reference = None
         per_traj = rc["window_size"] if cfg.branches == "all" else 0
@@ -258,7 +270,8 @@ def _run(cfg: ScoreConfig, rewards: list[Reward] | None) -> dict | None:
                     delta = {k: v - before[k] for k, v in vars(scorer.counters).items()}
                     stats = {"counts": {"trajectories": len(trajs) - len(dropped), "dropped_nan": len(dropped),
                                         "rows": len(rows),
-                                        **{k: delta[k] for k in ("transformer_calls", "decodes", "reward_calls")}},
+                                        **{k: delta[k] for k in ("transformer_calls", "transformer_batches", "decodes",
+                                                                 "reward_calls")}},
                              "seconds": {"read": t_read, "transformer": delta["t_transformer"], "decode": delta["t_decode"],
                                          "reward_wait": delta["t_reward_wait"], "write": time.perf_counter() - t0},
                              "dropped_trajectories": dropped}
@@ -275,9 +288,22 @@ def _run(cfg: ScoreConfig, rewards: list[Reward] | None) -> dict | None:
         out, "score", to_dict(cfg), inputs={"rollout": str(rollout_dir), "rollout_config": rollout["config"]},
         rollout_id=rollout.get("rollout_id"),
         counts=stats.get("counts", {}), seconds=stats.get("seconds", {}),
+        per_trajectory=per_trajectory_cost(stats.get("counts", {}), rollout["counts"]),
         reward_columns=["reward"] + [r.column for r in rewards], files=[f.name for f in files],
         dropped_trajectories=sorted(t for f in files for t in _sidecar(f).get("dropped_trajectories", [])),
     )
+
+
+def per_trajectory_cost(score_counts: dict, rollout_counts: dict) -> dict[str, float]:
+    """Model work per trajectory, this stage's and with the rollout's (DESIGN.md "Cost"): for T = 10,
+    K = 9, 45 transformer calls here (55 with the rollout's 10), 10 decodes (9 here; R_K's image is
+    the rollout's own) and 10 reward calls. Averaged over every trajectory of the rollout."""
+    n = max(1, rollout_counts.get("trajectories", 0))
+    here = {k: score_counts.get(k, 0) / n for k in ("transformer_calls", "decodes", "reward_calls")}
+    return {"transformer_calls": here["transformer_calls"],
+            "transformer_calls_with_rollout": here["transformer_calls"] + rollout_counts.get("transformer_calls", 0) / n,
+            "decodes": here["decodes"] + rollout_counts.get("decodes", 0) / n, "decodes_in_score": here["decodes"],
+            "reward_calls": here["reward_calls"]}
 
 
 def _sidecar(output: Path) -> dict:

@@ -129,6 +129,41 @@ def resolve_model(model: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def tune_cpu_allocator() -> bool:
+    """Keep glibc malloc from handing big tensors back to the kernel after every op (CPU only).
+
+    By default glibc serves allocations above a (dynamic, at most 32 MiB) threshold with fresh
+    mmap()s and trims the heap top on free, so every transformer call on CPU page-faults and
+    zeroes its large temporaries anew. Raising both thresholds (what MALLOC_MMAP_THRESHOLD_ /
+    MALLOC_TRIM_THRESHOLD_ do, or jemalloc/tcmalloc, which PyTorch recommends for CPU inference)
+    measured 1.4-1.8x faster tiny-sd3 calls on 2-core machines; the cost is that freed memory
+    stays with the process (its RSS keeps its high-water mark). Skipped where the user chose for
+    themselves (those variables, GLIBC_TUNABLES, an LD_PRELOAD allocator, TPKIT_CPU_MALLOC=0) and
+    outside glibc. Returns whether it changed anything; idempotent."""
+    global _ALLOCATOR_TUNED
+    if _ALLOCATOR_TUNED is not None:
+        return _ALLOCATOR_TUNED
+    _ALLOCATOR_TUNED = False
+    env = os.environ
+    if env.get("TPKIT_CPU_MALLOC", "1") == "0" or any(
+            k in env for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD")):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # glibc only (musl's mallopt ignores these)
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    mmap_ok = libc.mallopt(m_mmap_threshold, 1 << 30) or libc.mallopt(m_mmap_threshold, 32 << 20)  # older glibc caps it
+    _ALLOCATOR_TUNED = bool(mmap_ok and libc.mallopt(m_trim_threshold, 1 << 30))
+    return _ALLOCATOR_TUNED
+
+
+_ALLOCATOR_TUNED: bool | None = None
+
+
 def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         if not torch.cuda.is_available():
@@ -156,6 +191,7 @@ class SD3:
     model: str  # what the user passed (hub id, folder or tiny-sd3)
     device: torch.device
     dtype: torch.dtype
+    lora_fused: bool = False  # the adapter is merged into the weights (see `load`)
 
     @property
     def transformer(self):
@@ -237,24 +273,33 @@ def release() -> None:
 
 
 def load(model: str, device: str = "auto", dtype: str = "auto", text_encoders: bool = True,
-         lora: str | None = None, vae: bool = True, reuse: bool = False) -> SD3:
+         lora: str | None = None, vae: bool = True, reuse: bool = False, fuse_lora: bool = False) -> SD3:
     """Load an SD3 pipeline by hub id, local folder or `tiny-sd3`, optionally with a LoRA adapter.
 
     Stages load only what they use: score skips the text encoders, train also the VAE.
     reuse=True (inference stages): keep the pipeline for the next inference stage in this process
     and take a cached one that has at least what is asked for, so `tpkit run`'s score stage does
-    not reload what its rollout just used. The cache holds one pipeline."""
+    not reload what its rollout just used. The cache holds one pipeline.
+    fuse_lora=True: merge the adapter into the weights (W + s B A) and drop the LoRA layers, for
+    stages whose numbers need not match training's bit for bit (score's branches, eval): about
+    20 % faster calls on tiny-sd3. Rollout keeps the adapter separate, as train computes it, so the
+    first training ratio stays exactly 1. A cached unfused pipeline is fused in place."""
     lora_id = (str(lora), (Path(lora) / LORA_WEIGHTS).stat().st_mtime_ns) if lora and (Path(lora) / LORA_WEIGHTS).is_file() else lora
     key = (model, str(pick_device(device)), dtype, lora_id)
+    fuse_lora = bool(fuse_lora and lora)
     if reuse:
         for (k, has_te, has_vae), m in _CACHE.items():
-            if k == key and (has_te or not text_encoders) and (has_vae or not vae):
+            if k == key and (has_te or not text_encoders) and (has_vae or not vae) and (fuse_lora or not m.lora_fused):
+                if fuse_lora and not m.lora_fused:
+                    _fuse(m)
                 return m
     _quiet_libraries()
     from diffusers import StableDiffusion3Pipeline
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
+    if dev.type == "cpu":
+        tune_cpu_allocator()
     path = resolve_model(model)
     skip = {} if text_encoders else {k: None for k in (
         "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")}
@@ -270,10 +315,18 @@ def load(model: str, device: str = "auto", dtype: str = "auto", text_encoders: b
     if lora:
         load_lora(pipe, lora)
     loaded = SD3(pipe=pipe, model=model, device=dev, dtype=dt)
+    if fuse_lora:
+        _fuse(loaded)
     if reuse:
         release()
         _CACHE[(key, text_encoders, vae)] = loaded
     return loaded
+
+
+def _fuse(m: SD3) -> None:
+    m.pipe.fuse_lora(components=["transformer"])
+    m.pipe.unload_lora_weights()  # keeps the merged weights, removes the peft layers
+    m.lora_fused = True
 
 
 def load_lora(pipe, lora: str) -> None:
