@@ -20,10 +20,16 @@ imports, first kernels); every setting comes from one recipe (pipelines/tiny-cpu
       bf16 at the rollout's and the score's batch sizes, a LoRA train step, projected costs per
       trajectory;
   (f) if ScoreConfig has `branch_steps`: for N in (1, 2, 3, 5), how well the cheap R_k preserve the
-      exact ones (Spearman of step rewards, turning-point agreement) against the calls saved.
+      exact ones (Spearman of step rewards, turning-point agreement) against the calls saved;
+  (g) on CPU: score and train with tpkit's raised glibc malloc thresholds against glibc's defaults
+      (TPKIT_CPU_MALLOC=0), each run in a fresh subprocess: stage seconds and peak RSS.
+
+The key ratios end with the floor of (b) for exact branches: the Flow round plus 45 calls and K
+decodes per trajectory priced at the rollout's own cost per call (what TP / Flow would be if the
+score stage spent nothing else).
 
 Numbers vary with the machine and its load (each timing is the best of --repeats, variants
-interleaved); the ratios are the point. About 70 s on 2 idle CPU cores.
+interleaved); the ratios are the point. About 4 minutes on 2 idle CPU cores.
 
     python bench/speed.py [--prompts 2] [--group-size 8] [--repeats 3] [--quick] [--full-size] [--json FILE]
 """
@@ -380,11 +386,11 @@ def memory_child(spec_file: str) -> None:
                                   "text_encoders_loaded": any(te_seen)}))
 
 
-def run_memory(stage: str, text_encoders: bool, config: dict, tmp: Path) -> dict:
-    spec = tmp / f"mem-{stage}-{int(text_encoders)}.json"
+def run_memory(stage: str, text_encoders: bool, config: dict, tmp: Path, env: dict | None = None) -> dict:
+    spec = tmp / f"mem-{stage}-{int(text_encoders)}-{len(list(tmp.glob('mem-*.json')))}.json"
     spec.write_text(json.dumps({"stage": stage, "text_encoders": text_encoders, "config": config}))
     p = subprocess.run([sys.executable, __file__, "--memory-child", str(spec)], capture_output=True, text=True,
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
     line = next((x for x in p.stdout.splitlines() if x.startswith("MEMORY ")), None)
     if p.returncode or line is None:
         raise RuntimeError(f"memory subprocess {stage} (text encoders {text_encoders}) failed:\n{p.stderr[-3000:]}")
@@ -836,6 +842,32 @@ def main() -> None:
     sm = {r["text_encoders"]: r for r in mem if r["stage"] == "score"}
     tm = {r["text_encoders"]: r for r in mem if r["stage"] == "train"}
 
+    # ---------------------------------------------------------------- (g) CPU allocator, subprocess per variant
+    alloc = []
+    if not torch.cuda.is_available() and sd3.tune_cpu_allocator():
+        for rep in range(args.repeats):
+            for stage, cfg in (("score", score_cfg), ("train", train_cfg)):
+                for tuned in ((True, False) if rep % 2 == 0 else (False, True)):
+                    c = dict(cfg, out=str(tmp / f"alloc-{stage}-{int(tuned)}-{rep}"))
+                    r = run_memory(stage, False, c, tmp, env=None if tuned else {"TPKIT_CPU_MALLOC": "0"})
+                    alloc.append({"stage": stage, "tuned": tuned, **r})
+        results["allocator"] = alloc
+        t = Table(title="(g) glibc malloc thresholds raised by tpkit (CPU) vs glibc's defaults (TPKIT_CPU_MALLOC=0): "
+                        f"one fresh subprocess per run, best of {args.repeats}")
+        for col in ("stage", "allocator", "stage seconds (all runs)", "best", "speed-up", "peak RSS MiB"):
+            t.add_column(col, justify="right")
+        for stage in ("score", "train"):
+            best_of = {tuned: min((r for r in alloc if r["stage"] == stage and r["tuned"] == tuned),
+                                  key=lambda r: r["wall_s"]) for tuned in (True, False)}
+            for tuned in (True, False):
+                walls = [r["wall_s"] - r["load_s"] for r in alloc if r["stage"] == stage and r["tuned"] == tuned]
+                b = best_of[tuned]
+                t.add_row(stage, "tpkit (raised)" if tuned else "glibc default", " / ".join(f"{w:.2f}" for w in walls),
+                          f"{min(walls):.2f}",
+                          f"{(best_of[False]['wall_s'] - best_of[False]['load_s']) / (b['wall_s'] - b['load_s']):.2f}x"
+                          if tuned else "1.00x", f"{b['peak_kib'] / 1024:.0f}")
+        out.print(t)
+
     # ---------------------------------------------------------------- (e) full size
     fs = {"params": params}
     t = Table(title="(e) SD3.5-Medium architecture, random weights")
@@ -927,6 +959,20 @@ def main() -> None:
               f"{a_res['reference']['transformer_calls']:.0f} + {T} = {a_res['reference']['transformer_calls'] + T:.0f}")
     out.print(f"round TP-GRPO / Flow-GRPO: [bold]{b_res['ratio']:.2f}x[/] ({b_res['ratio_excl_load']:.2f}x without model "
               f"loading); authors ~2.5x, target <= 2x: {ok(b_res['ratio'] <= 2)}")
+    # The floor with exact branches: TP = Flow + the score stage, whose least work is 45 calls and K decodes
+    # per trajectory. Priced at the rollout's own cost per call and per decode (measured in the same round),
+    # that is what the ratio would be if score spent nothing on anything else.
+    ro = best["tp-grpo"]["stages"]["rollout"]
+    per_call, per_decode = ro.get("forward", 0.0) / (n * T), ro.get("decode", 0.0) / n
+    floor = 1 + (mc * per_call + K * per_decode) * n / flow["total"]
+    score_st = best["tp-grpo"]["stages"]["score"]
+    b_res["floor"] = {"ratio": floor, "rollout_s_per_call": per_call, "rollout_s_per_decode": per_decode,
+                      "score_s_per_call": score_st.get("forward", 0.0) / max(1, n * mc),
+                      "score_s_per_decode": score_st.get("decode", 0.0) / max(1, n * K)}
+    out.print(f"  exact-branch floor at the rollout's cost per call ({1e3 * per_call:.2f} ms) and per decode "
+              f"({1e3 * per_decode:.2f} ms): 1 + ({mc} calls + {K} decodes) x {n} / Flow round = [bold]{floor:.2f}x[/] "
+              f"(score's own: {1e3 * b_res['floor']['score_s_per_call']:.2f} ms per call, "
+              f"{1e3 * b_res['floor']['score_s_per_decode']:.2f} ms per decode)")
     if cheap in b_res:
         out.print(f"round TP-GRPO with branch_steps={args.round_branch_steps} / Flow-GRPO: [bold]"
                   f"{b_res[cheap]['ratio_to_flow']:.2f}x[/] ({b_res[cheap]['transformer_calls_per_traj']:.0f} calls per "
@@ -937,6 +983,12 @@ def main() -> None:
               f"{sm[False]['peak_kib'] / 1024:.0f} MiB, train {tm[True]['peak_kib'] / 1024:.0f} vs "
               f"{tm[False]['peak_kib'] / 1024:.0f} MiB (tiny model); at SD3.5-M size the text encoders are "
               f"{gib(te_p):.1f} GiB of bf16 weights")
+    if alloc:
+        def best_stage(stage, tuned):
+            r = min((r for r in alloc if r["stage"] == stage and r["tuned"] == tuned), key=lambda r: r["wall_s"])
+            return r["wall_s"] - r["load_s"]
+        out.print("CPU allocator tuning (g): " + ", ".join(
+            f"{stage} {best_stage(stage, False) / best_stage(stage, True):.2f}x faster" for stage in ("score", "train")))
     if "projection" in fs:
         p = fs["projection"]
         out.print(f"full size (GPU): score speed-up {p['score_reference'] / p['score_tpkit']:.2f}x, "
