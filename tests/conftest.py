@@ -41,3 +41,24 @@ def tiny_run(tmp_path_factory, two_prompts) -> Path:
     score.run(ScoreConfig(rollout=str(run / "rollout"), out=str(run / "score")))
     advantages.run(AdvantagesConfig(scores=str(run / "score"), out=str(run / "advantages")))
     return run
+
+
+def build_tiny_clip(path: Path, layers: int = 1, seed: int = 0) -> Path:
+    """A random CLIPModel (hidden 32, projection 16, 32 px images, patch 8) with its processor
+    (tiny-sd3's byte-level tokenizer, the PIL image processor), saved to `path`."""
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
+
+    from tpkit.sd3 import _tiny_tokenizer
+
+    tok = _tiny_tokenizer()
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                num_attention_heads=2, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    torch.manual_seed(seed)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(path)
+    CLIPProcessor(image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+                  tokenizer=tok).save_pretrained(path)
+    return path

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import build_tiny_clip
 from tpkit.errors import ModelError
 
 PROMPTS = ["a red cube on a wooden table", "a cat", "a small boat on a calm lake at dawn, oil painting, "
@@ -23,26 +24,8 @@ PROMPTS = ["a red cube on a wooden table", "a cat", "a small boat on a calm lake
 
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory) -> Path:
-    """A random CLIPModel (hidden 32, projection 16, 32 px images, patch 8) with its processor."""
-    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
-
-    from tpkit.sd3 import _tiny_tokenizer
-
-    tok = _tiny_tokenizer()
-    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                max_position_embeddings=77, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
-                  patch_size=8)
-    torch.manual_seed(5)  # a seed whose cosines on `images` have both signs (exercises CLIPScore's clamp)
-    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
-    processor = CLIPProcessor(image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32},
-                                                                    crop_size={"height": 32, "width": 32}),
-                              tokenizer=tok)
-    path = tmp_path_factory.mktemp("tiny-clip")
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    return path
+    # seed 5: its cosines on `images` have both signs (exercises CLIPScore's clamp)
+    return build_tiny_clip(tmp_path_factory.mktemp("tiny-clip"), layers=2, seed=5)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import build_tiny_clip
 from tpkit import geneval as G
 from tpkit.errors import ModelError, RewardError
 
@@ -378,22 +379,7 @@ def _tiny_mask2former(path: Path, num_queries: int = 8, confident: str | None = 
 
 
 def _tiny_clip(path: Path) -> Path:
-    import torch
-    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel
-
-    from tpkit.sd3 import _tiny_tokenizer
-
-    tok = _tiny_tokenizer()
-    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                max_position_embeddings=77, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
-                  patch_size=8)
-    torch.manual_seed(0)
-    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(path)
-    tok.save_pretrained(path)
-    CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(path)
-    return path
+    return build_tiny_clip(path)
 
 
 @pytest.fixture(scope="module")
