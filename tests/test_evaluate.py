@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from conftest import DATA
 from tpkit import evaluate
 from tpkit.config import EvalConfig
 from tpkit.errors import ConfigError
@@ -160,7 +161,7 @@ def test_eval_geneval_end_to_end(tmp_path, geneval_models, source):
     path = official if official.is_file() else OFFICIAL
     if source == "official" and not path.is_file():
         pytest.skip("GenEval's official metadata is not beside the project")
-    src = path if source == "official" else evaluate.DATA / "geneval-style.jsonl"
+    src = path if source == "official" else DATA / "geneval-style.jsonl"
     meta = tmp_path / "meta.jsonl"
     meta.write_text("".join(_one_per_tag(src.read_text().splitlines(keepends=True))))
     m = evaluate.run(EvalConfig(kind="geneval", prompts=str(meta), out=str(tmp_path / "out"), images_per_prompt=1,
@@ -179,3 +180,15 @@ def test_eval_geneval_rejects_prompts_without_geneval_metadata(tmp_path, two_pro
     with pytest.raises(InputError, match="GenEval"):
         evaluate.run(EvalConfig(kind="geneval", prompts=str(two_prompts), out=str(tmp_path / "o"),
                                 reward_options={"geneval": geneval_models}))
+
+
+def test_geneval_defaults_to_genevals_own_prompts(tmp_path):
+    """Without --metadata, `tpkit eval geneval` evaluates GenEval's 553 prompts (regenerated, so an
+    installed tpkit needs no data file)."""
+    from tpkit.geneval_prompts import official_like_test_set
+
+    prompts, folders = evaluate._load_prompts(EvalConfig(kind="geneval", out=str(tmp_path / "g")).validate())
+    official = official_like_test_set()
+    assert len(prompts) == len(folders) == 553
+    assert [p.prompt for p in prompts] == [o["prompt"] for o in official]
+    assert prompts[0].metadata["tag"] == "single_object" and prompts[0].prompt_id == "p00000"

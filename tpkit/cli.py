@@ -232,7 +232,7 @@ def eval_reward(
 @eval_app.command("geneval")
 def eval_geneval(
     out: Path = typer.Option(..., "--out", help="Output folder: images/, results.jsonl, summary.json, grid-<task>.png."),
-    metadata: Optional[Path] = typer.Option(None, help="GenEval evaluation_metadata.jsonl (default: tpkit's own set)."),
+    metadata: Optional[Path] = typer.Option(None, help="GenEval evaluation_metadata.jsonl (default: GenEval's 553 prompts, regenerated)."),
     detector: Optional[str] = typer.Option(None, help="Detector id or folder (default Mask2Former Swin-S COCO)."),
     clip: Optional[str] = typer.Option(None, help="CLIP for colours (default openai/clip-vit-large-patch14)."),
     model: str = typer.Option(TINY_MODEL, help="Hub id, local folder, or tiny-sd3."),

@@ -28,7 +28,6 @@ from tpkit import layout
 from tpkit.config import EvalConfig, to_dict
 from tpkit.errors import ConfigError, InputError
 
-DATA = Path(__file__).resolve().parents[1] / "data"
 RESULTS, SUMMARY = "results.jsonl", "summary.json"
 
 
@@ -195,8 +194,10 @@ def _load_prompts(cfg: EvalConfig) -> tuple[list[layout.Prompt], list[Path]]:
         return prompts, folders
     if cfg.prompts:
         prompts = layout.load_prompts(Path(cfg.prompts))
-    elif cfg.kind == "geneval":
-        prompts = layout.load_prompts(DATA / "geneval-style.jsonl")
+    elif cfg.kind == "geneval":  # GenEval's own 553 prompts, regenerated (no file needed, nothing downloaded)
+        from tpkit.geneval_prompts import official_like_test_set
+
+        prompts = [layout.Prompt(f"p{i:05d}", item["prompt"], item) for i, item in enumerate(official_like_test_set())]
     else:
         raise ConfigError("no prompts given", "pass --prompts FILE (.txt or .jsonl)")
     return prompts, [prompt_dir(Path(cfg.out), i) for i in range(len(prompts))]
