@@ -178,3 +178,20 @@ def test_reproduces_official_geneval_file_line_by_line(test_set):
     assert len(ours) == len(official) == 553
     for i, (a, b) in enumerate(zip(ours, official)):
         assert a == b, f"line {i + 1} differs"
+
+
+def test_geneval_recipes_train_on_prompts_outside_the_test_set(test_set):
+    """`tpkit eval geneval` scores GenEval's test prompts: a recipe training on any of them would
+    leak. The shipped train file is exactly `tpkit prompts geneval --split train --n 200`."""
+    from tpkit.config import load_recipe
+
+    root = Path(__file__).resolve().parents[1]
+    shipped = [json.loads(line) for line in (root / "data" / "geneval-train.jsonl").read_text().splitlines()]
+    assert shipped == gp.train_set(seed=0, n_per_tag=200)
+    test_prompts = {it["prompt"] for it in test_set}
+    recipes = sorted((root / "pipelines").glob("*geneval*.toml"))
+    assert recipes
+    for recipe in recipes:
+        path = Path(load_recipe(recipe).rollout.prompts)
+        prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+        assert not test_prompts & set(prompts), recipe.name
