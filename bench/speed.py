@@ -387,7 +387,7 @@ def memory_child(spec_file: str) -> None:
 
 
 def run_memory(stage: str, text_encoders: bool, config: dict, tmp: Path, env: dict | None = None) -> dict:
-    spec = tmp / f"mem-{stage}-{int(text_encoders)}-{len(list(tmp.glob('mem-*.json')))}.json"
+    spec = tmp / f"spec-{Path(config['out']).name}.json"  # every variant writes to its own out folder
     spec.write_text(json.dumps({"stage": stage, "text_encoders": text_encoders, "config": config}))
     p = subprocess.run([sys.executable, __file__, "--memory-child", str(spec)], capture_output=True, text=True,
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
@@ -852,20 +852,21 @@ def main() -> None:
                     r = run_memory(stage, False, c, tmp, env=None if tuned else {"TPKIT_CPU_MALLOC": "0"})
                     alloc.append({"stage": stage, "tuned": tuned, **r})
         results["allocator"] = alloc
+        for r in alloc:
+            r["stage_s"] = r["wall_s"] - r["load_s"]
+        alloc_best = {(r["stage"], r["tuned"]): min(x["stage_s"] for x in alloc if (x["stage"], x["tuned"]) ==
+                                                    (r["stage"], r["tuned"])) for r in alloc}
         t = Table(title="(g) glibc malloc thresholds raised by tpkit (CPU) vs glibc's defaults (TPKIT_CPU_MALLOC=0): "
                         f"one fresh subprocess per run, best of {args.repeats}")
-        for col in ("stage", "allocator", "stage seconds (all runs)", "best", "speed-up", "peak RSS MiB"):
+        for col in ("stage", "allocator", "stage seconds (all runs)", "best", "speed-up", "peak RSS MiB (max)"):
             t.add_column(col, justify="right")
         for stage in ("score", "train"):
-            best_of = {tuned: min((r for r in alloc if r["stage"] == stage and r["tuned"] == tuned),
-                                  key=lambda r: r["wall_s"]) for tuned in (True, False)}
             for tuned in (True, False):
-                walls = [r["wall_s"] - r["load_s"] for r in alloc if r["stage"] == stage and r["tuned"] == tuned]
-                b = best_of[tuned]
-                t.add_row(stage, "tpkit (raised)" if tuned else "glibc default", " / ".join(f"{w:.2f}" for w in walls),
-                          f"{min(walls):.2f}",
-                          f"{(best_of[False]['wall_s'] - best_of[False]['load_s']) / (b['wall_s'] - b['load_s']):.2f}x"
-                          if tuned else "1.00x", f"{b['peak_kib'] / 1024:.0f}")
+                runs_ = [r for r in alloc if r["stage"] == stage and r["tuned"] == tuned]
+                t.add_row(stage, "tpkit (raised)" if tuned else "glibc default",
+                          " / ".join(f"{r['stage_s']:.2f}" for r in runs_), f"{alloc_best[stage, tuned]:.2f}",
+                          f"{alloc_best[stage, False] / alloc_best[stage, tuned]:.2f}x",
+                          f"{max(r['peak_kib'] for r in runs_) / 1024:.0f}")
         out.print(t)
 
     # ---------------------------------------------------------------- (e) full size
@@ -984,11 +985,8 @@ def main() -> None:
               f"{tm[False]['peak_kib'] / 1024:.0f} MiB (tiny model); at SD3.5-M size the text encoders are "
               f"{gib(te_p):.1f} GiB of bf16 weights")
     if alloc:
-        def best_stage(stage, tuned):
-            r = min((r for r in alloc if r["stage"] == stage and r["tuned"] == tuned), key=lambda r: r["wall_s"])
-            return r["wall_s"] - r["load_s"]
         out.print("CPU allocator tuning (g): " + ", ".join(
-            f"{stage} {best_stage(stage, False) / best_stage(stage, True):.2f}x faster" for stage in ("score", "train")))
+            f"{stage} {alloc_best[stage, False] / alloc_best[stage, True]:.2f}x faster" for stage in ("score", "train")))
     if "projection" in fs:
         p = fs["projection"]
         out.print(f"full size (GPU): score speed-up {p['score_reference'] / p['score_tpkit']:.2f}x, "

@@ -7,9 +7,9 @@ shard). The few that run a stage again use `branches="final"` (no transformer) w
 from __future__ import annotations
 
 import io
-import os
 import json
 import math
+import os
 import shutil
 import tarfile
 import textwrap

@@ -11,8 +11,8 @@ Work is split by generation batch: consecutive prompts fill a batch of `batch_si
 batch c goes to rank c % world. A batch always holds the same images (whatever the number of ranks
 or what an interrupted run finished), so results do not depend on either (matmuls are not
 batch-invariant). Each prompt is finished atomically, so a rerun resumes and any number of
-processes can share a run. Whoever finishes last merges
-everything into results.jsonl, summary.json, grid PNGs and manifest.json.
+processes can share a run. Whoever finishes last merges everything into results.jsonl,
+summary.json, grid PNGs and manifest.json.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def generate(model, prompts: list[layout.Prompt], indices: list[int], cfg: EvalC
     jobs = [(i, j) for i in indices for j in range(cfg.images_per_prompt)]
     for b in range(0, len(jobs), cfg.batch_size):
         batch = jobs[b: b + cfg.batch_size]
-        if all(sample_path(prompt_dir(out, i), j).is_file() for i, j in batch):
+        missing = [not sample_path(prompt_dir(out, i), j).is_file() for i, j in batch]
+        if not any(missing):
             continue
         emb = model.encode([prompts[i].prompt for i, _ in batch], cfg.max_sequence_length)
         seeds = [derive_seed(cfg.seed, "eval", prompts[i].prompt_id, j) for i, j in batch]
@@ -70,8 +71,8 @@ def generate(model, prompts: list[layout.Prompt], indices: list[int], cfg: EvalC
             for t in range(cfg.steps):
                 v = model.velocity(x, torch.full((len(batch),), sigmas[t]), emb, cfg.guidance)
                 x = formulas.ode_step(x, v, sigmas[t], sigmas[t + 1])
-        for (i, j), image in zip(batch, model.decode(x)):
-            if not sample_path(prompt_dir(out, i), j).is_file():
+        for (i, j), image, write in zip(batch, model.decode(x), missing):
+            if write:
                 layout.atomic_write(sample_path(prompt_dir(out, i), j), png_bytes(image))
 
 
