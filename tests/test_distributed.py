@@ -6,7 +6,9 @@
 - advantages on both score outputs: identical tables;
 - train: `torchrun --nproc_per_node 2 -m tpkit train` (DDP, gloo on CPU) vs one process: metrics
   and adapter within float tolerance;
-- `torchrun --nproc_per_node 2 -m tpkit run` of a tiny recipe finishes and both ranks wrote shards.
+- `accelerate launch --multi_gpu --num_processes 2 -m tpkit run` of a tiny recipe finishes, both
+  ranks wrote shards and train ran DDP over both (on a machine without GPUs accelerate's multi-GPU
+  launcher is torchrun, and the processes join a gloo group on the CPU).
 
 Everything runs in subprocesses on tiny-sd3 (4 prompts x 2 members, T = 6, K = 5, window start 0,
 so the window never reaches the deterministic last step), one thread each, no GPU. About a minute
@@ -63,6 +65,15 @@ def torchrun(*args) -> list[str]:
     """2 local processes; --standalone picks a free rendezvous port (other runs may be going on)."""
     launcher = [shutil.which("torchrun")] if shutil.which("torchrun") else [sys.executable, "-m", "torch.distributed.run"]
     return [*launcher, "--standalone", "--nproc_per_node", "2", "-m", "tpkit", *map(str, args)]
+
+
+def accelerate_launch(*args) -> list[str]:
+    """2 local processes through `accelerate launch` (its torchrun-based launcher; `--cpu` would start
+    one process), on a free port; every option on the command line, where it overrides any
+    `accelerate config` file of the machine."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+            "-m", "tpkit", *map(str, args)]
 
 
 def run_all(*cmds: list[str], cwd: Path | None = None, timeout: float = TIMEOUT) -> None:
@@ -329,7 +340,7 @@ def test_train_ddp_matches_one_process(trains):
 
 
 # --------------------------------------------------------------------------------------------
-# 5. `tpkit run` under torchrun
+# 5. `tpkit run` under accelerate launch
 # --------------------------------------------------------------------------------------------
 
 
@@ -358,13 +369,13 @@ optimizer_steps = 2
 """
 
 
-def test_run_under_torchrun(work):
+def test_run_under_accelerate_launch(work):
     d = work / "run"
     d.mkdir()
     (d / "prompts.txt").write_text("\n".join(PROMPTS[:2]) + "\n")
     (d / "recipe.toml").write_text(RECIPE)
     out = d / "out"
-    run_all(torchrun("run", d / "recipe.toml", "--out", out), cwd=d)
+    run_all(accelerate_launch("run", d / "recipe.toml", "--out", out), cwd=d)
     lines = (out / layout.ROUNDS_FILE).read_text().splitlines()
     assert len(lines) == 1
     line = json.loads(lines[0])
