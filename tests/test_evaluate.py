@@ -35,7 +35,12 @@ def one_eval(tmp_path_factory, two_prompts):
 def test_layout_results_and_summary(one_eval):
     tmp, manifest = one_eval
     out = tmp / "single"
-    assert manifest["counts"] == {"prompts": 2, "images": 4}
+    # the protocol's model work (a CFG pair counts once) and seconds per phase of this one process
+    assert manifest["counts"] == {"prompts": 2, "images": 4, "transformer_calls": 4 * STEPS, "decodes": 4,
+                                  "reward_calls": 4}
+    assert set(manifest["seconds"]) == {"load", "encode", "sample", "decode", "write", "read", "reward"}
+    assert manifest["seconds"]["sample"] > 0 and all(v >= 0 for v in manifest["seconds"].values())
+    assert manifest["seconds"] == json.loads((out / "seconds-r000.json").read_text())
     rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert [(r["index"], r["sample"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in rows:
@@ -63,7 +68,12 @@ def test_two_ranks_give_the_same_results_as_one(one_eval, two_prompts):
     tmp, _ = one_eval
     cfg = dict(rewards={"brightness": 1.0, "jpeg-compressibility": 0.5})
     assert evaluate.run(_cfg(tmp, two_prompts, "ranks", rank=0, world_size=2, **cfg)) is None  # rank 1 still missing
-    assert evaluate.run(_cfg(tmp, two_prompts, "ranks", rank=1, world_size=2, **cfg)) is not None
+    manifest = evaluate.run(_cfg(tmp, two_prompts, "ranks", rank=1, world_size=2, **cfg))
+    assert manifest is not None
+    # seconds: both ranks' own files, added up (compute time); counts: the same work as one process
+    per_rank = [json.loads((tmp / "ranks" / f"seconds-r00{r}.json").read_text()) for r in (0, 1)]
+    assert manifest["seconds"] == {k: pytest.approx(per_rank[0][k] + per_rank[1][k], abs=2e-3) for k in per_rank[0]}
+    assert manifest["counts"] == json.loads((tmp / "single" / "manifest.json").read_text())["counts"]
     a = [json.loads(x) for x in (tmp / "single" / "results.jsonl").read_text().splitlines()]
     b = [json.loads(x) for x in (tmp / "ranks" / "results.jsonl").read_text().splitlines()]
     strip = lambda rows: [{k: v for k, v in r.items() if k != "image"} for r in rows]  # noqa: E731
@@ -121,6 +131,8 @@ def test_scoring_an_existing_image_folder(one_eval):
     b = [json.loads(x) for x in (tmp / "rescored" / "results.jsonl").read_text().splitlines()]
     assert [r["reward_brightness"] for r in a] == [r["reward_brightness"] for r in b]
     assert all(r["seed"] is None for r in b) and m["counts"]["images"] == 4
+    assert (m["counts"]["transformer_calls"], m["counts"]["decodes"], m["counts"]["reward_calls"]) == (0, 0, 4)
+    assert set(m["seconds"]) == {"read", "reward"}
 
 
 def test_bad_inputs(tmp_path, two_prompts):

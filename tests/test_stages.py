@@ -185,6 +185,13 @@ def test_manifest_counts_match_cost_formula(manifests):
     assert sc["per_trajectory"] == {"transformer_calls": 45, "transformer_calls_with_rollout": 55, "decodes": 10,
                                     "decodes_in_score": 9, "reward_calls": 10}
     assert adv["counts"]["rows"] == 72 and adv["counts"]["trajectories"] == N
+    # every manifest: seconds per phase (summed over the shards), the model phases above zero
+    for stage, phases in (("rollout", {"encode", "sample", "decode", "write"}),
+                          ("score", {"read", "transformer", "decode", "reward_wait", "write"}),
+                          ("advantages", {"read", "compute", "write"})):
+        seconds = manifests[stage]["seconds"]
+        assert set(seconds) == phases and all(v >= 0 for v in seconds.values()), (stage, seconds)
+    assert ro["seconds"]["sample"] > 0 and sc["seconds"]["transformer"] > 0 and sc["seconds"]["decode"] > 0
 
 
 # ---------------------------------------------------------------------------------------------

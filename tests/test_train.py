@@ -95,6 +95,20 @@ def test_metrics_one_line_per_optimizer_step(which, steps, request):
 
 
 @pytest.mark.parametrize("which", ["trained", "trained_beta0"])
+def test_manifest_counts_model_work_and_seconds_per_phase(which, request):
+    """One forward (with its backward) per transition, one reference forward more when beta > 0."""
+    manifest = json.loads((request.getfixturevalue(which) / layout.MANIFEST).read_text())
+    counts, seconds, beta = manifest["counts"], manifest["seconds"], manifest["config"]["beta"]
+    assert counts["transitions"] > 0 and counts["transformer_calls"] == counts["transitions"]
+    assert counts["reference_calls"] == (counts["transitions"] if beta > 0 else 0)
+    phases = {"read", "load", "forward", "backward", "optimizer", "save"} | ({"reference"} if beta > 0 else set())
+    if manifest["config"]["checkpoint_every"] and counts["optimizer_steps"] > 1:  # none after the last step
+        phases.add("checkpoint")
+    assert set(seconds) == phases, seconds
+    assert seconds["forward"] > 0 and seconds["backward"] > 0 and all(v >= 0 for v in seconds.values())
+
+
+@pytest.mark.parametrize("which", ["trained", "trained_beta0"])
 def test_first_step_ratio_is_exactly_one(which, request):
     """Replaying the rollout's own batches on unchanged weights: log-probs equal bit for bit."""
     first = metrics(request.getfixturevalue(which))[0]

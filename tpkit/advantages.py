@@ -15,6 +15,7 @@ import numpy as np
 from tpkit import formulas, layout
 from tpkit.config import AdvantagesConfig, to_dict
 from tpkit.errors import InputError
+from tpkit.timing import Phases
 
 
 @dataclass
@@ -184,22 +185,26 @@ def run(cfg: AdvantagesConfig) -> dict:
 
 
 def _run(cfg: AdvantagesConfig) -> dict:
+    phases = Phases()
     # 1. Read the scores (a folder of Parquet files or one file).
-    table = layout.read_parquet_tables(Path(cfg.scores), "score")
+    with phases("read"):
+        table = layout.read_parquet_tables(Path(cfg.scores), "score")
 
-    # 2. Arrange R_k per trajectory, refusing gaps, duplicates, NaN.
-    m = reward_matrix(table, str(cfg.scores), cfg.method)
+    with phases("compute"):
+        # 2. Arrange R_k per trajectory, refusing gaps, duplicates, NaN.
+        m = reward_matrix(table, str(cfg.scores), cfg.method)
 
-    # 3. Step rewards, turning points, balancing, shaped rewards, group-normalised advantages.
-    a = compute(m, cfg.method, cfg.balance, cfg.std)
+        # 3. Step rewards, turning points, balancing, shaped rewards, group-normalised advantages.
+        a = compute(m, cfg.method, cfg.balance, cfg.std)
 
     # 4. Write the table, then the manifest (with the summary the CLI shows).
     out = Path(cfg.out)
-    layout.write_parquet(out / layout.ADVANTAGES_FILE, to_table(m, a, cfg.method))
+    with phases("write"):
+        layout.write_parquet(out / layout.ADVANTAGES_FILE, to_table(m, a, cfg.method))
     info = summary(m, a)
     return layout.write_manifest(out, "advantages", to_dict(cfg), inputs={"scores": str(cfg.scores)},
-                                 counts={"rows": info["rows"], "trajectories": info["trajectories"]}, summary=info,
-                                 **_from_score_manifest(Path(cfg.scores)))
+                                 counts={"rows": info["rows"], "trajectories": info["trajectories"]},
+                                 seconds=phases.rounded(), summary=info, **_from_score_manifest(Path(cfg.scores)))
 
 
 def _from_score_manifest(scores: Path) -> dict:

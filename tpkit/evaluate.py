@@ -27,6 +27,7 @@ import numpy as np
 from tpkit import layout
 from tpkit.config import EvalConfig, to_dict
 from tpkit.errors import ConfigError, InputError
+from tpkit.timing import Phases
 
 RESULTS, SUMMARY = "results.jsonl", "summary.json"
 
@@ -46,7 +47,8 @@ def prompt_batches(n_prompts: int, cfg: EvalConfig) -> list[list[int]]:
     return [list(range(i, min(i + per, n_prompts))) for i in range(0, n_prompts, per)]
 
 
-def generate(model, prompts: list[layout.Prompt], indices: list[int], cfg: EvalConfig, out: Path) -> None:
+def generate(model, prompts: list[layout.Prompt], indices: list[int], cfg: EvalConfig, out: Path,
+             phases: Phases) -> None:
     """ODE-sample images_per_prompt images for each prompt of one generation batch into the GenEval
     layout. Transformer batches are cut from all the batch's images, not only the missing ones, so
     a resumed run computes every image in the same batch as an uninterrupted one."""
@@ -64,16 +66,20 @@ def generate(model, prompts: list[layout.Prompt], indices: list[int], cfg: EvalC
         missing = [not sample_path(prompt_dir(out, i), j).is_file() for i, j in batch]
         if not any(missing):
             continue
-        emb = model.encode([prompts[i].prompt for i, _ in batch], cfg.max_sequence_length)
+        with phases("encode"):
+            emb = model.encode([prompts[i].prompt for i, _ in batch], cfg.max_sequence_length)
         seeds = [derive_seed(cfg.seed, "eval", prompts[i].prompt_id, j) for i, j in batch]
-        x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(model.device)
-        with torch.no_grad():
+        with phases("sample"), torch.no_grad():
+            x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(model.device)
             for t in range(cfg.steps):
                 v = model.velocity(x, torch.full((len(batch),), sigmas[t]), emb, cfg.guidance)
                 x = formulas.ode_step(x, v, sigmas[t], sigmas[t + 1])
-        for (i, j), image, write in zip(batch, model.decode(x), missing):
-            if write:
-                layout.atomic_write(sample_path(prompt_dir(out, i), j), png_bytes(image))
+        with phases("decode"):
+            images = model.decode(x)
+        with phases("write"):
+            for (i, j), image, write in zip(batch, images, missing):
+                if write:
+                    layout.atomic_write(sample_path(prompt_dir(out, i), j), png_bytes(image))
 
 
 def read_images(folder: Path) -> tuple[list, list[Path]]:
@@ -140,30 +146,39 @@ def _run(cfg: EvalConfig) -> dict | None:
     batches = [c for n, c in enumerate(prompt_batches(len(prompts), cfg)) if n % cfg.world_size == cfg.rank
                and any(unfinished(i) for i in c)]
     mine = [i for c in batches for i in c if unfinished(i)]
+    phases = Phases(sd3.pick_device(cfg.device))
+    for k, v in layout.read_seconds(out, cfg.rank).items():  # an interrupted earlier run's, if any
+        phases.add(k, v)
 
     # 3. Generate the missing images (unless scoring an existing folder).
     if mine and not cfg.images:
-        model = sd3.load(cfg.model, cfg.device, cfg.dtype, text_encoders=True, lora=cfg.lora, reuse=True, fuse_lora=True)
+        with phases("load"):
+            model = sd3.load(cfg.model, cfg.device, cfg.dtype, text_encoders=True, lora=cfg.lora, reuse=True,
+                             fuse_lora=True)
         for i in mine:
             _write_metadata(prompt_dir(out, i), prompts[i].metadata)
         with track(len(mine), f"eval: generate ({cfg.images_per_prompt} images per prompt)") as advance:
             for c in batches:
-                generate(model, prompts, c, cfg, out)
+                generate(model, prompts, c, cfg, out, phases)
                 advance(sum(map(unfinished, c)))
 
     # 4. Score every image of each prompt; results.json is the prompt's completion marker.
     with track(len(mine), f"eval: {cfg.kind}") as advance:
         for i in mine:
-            images, paths = read_images(folders[i])
+            with phases("read"):
+                images, paths = read_images(folders[i])
             if not images:
                 raise InputError(f"{folders[i]}: no samples/*.png", "generate them (omit --images) or fix the folder")
-            rows = scorer(prompts[i], images)
+            with phases("reward"):
+                rows = scorer(prompts[i], images)
             seeds = _seeds(cfg, prompts[i], len(images))
             results = [{"index": i, "sample": j, "prompt_id": prompts[i].prompt_id, "prompt": prompts[i].prompt,
                         "tag": prompts[i].metadata.get("tag"), "image": str(paths[j]), "seed": seeds[j], **rows[j]}
                        for j in range(len(images))]
             layout.atomic_write_json(prompt_dir(out, i) / "results.json", results)
             advance(1)
+    if mine:
+        layout.atomic_write_json(out / layout.seconds_name(cfg.rank), phases.rounded())
 
     # 5. Whoever finds every prompt done merges: results.jsonl, summary.json, grids, manifest.
     if not all((prompt_dir(out, i) / "results.json").is_file() for i in range(len(prompts))):
@@ -173,9 +188,14 @@ def _run(cfg: EvalConfig) -> dict | None:
     summary = geneval_summary(results) if cfg.kind == "geneval" else reward_summary(results, cfg.rewards)
     layout.atomic_write_json(out / SUMMARY, summary)
     write_grids(out, results, cfg)
-    return layout.write_manifest(out, f"eval-{cfg.kind}", to_dict(cfg), inputs={"prompts": cfg.prompts,
-                                 "images": cfg.images, "model": cfg.model, "lora": cfg.lora},
-                                 counts={"prompts": len(prompts), "images": len(results)}, summary=summary)
+    generated = 0 if cfg.images else len(results)
+    return layout.write_manifest(
+        out, f"eval-{cfg.kind}", to_dict(cfg),
+        inputs={"prompts": cfg.prompts, "images": cfg.images, "model": cfg.model, "lora": cfg.lora},
+        # The protocol's model work (a CFG pair counts once; a resumed batch is recomputed whole, not counted twice).
+        counts={"prompts": len(prompts), "images": len(results), "transformer_calls": generated * cfg.steps,
+                "decodes": generated, "reward_calls": len(results)},
+        seconds=layout.read_seconds(out), summary=summary)
 
 
 def _load_prompts(cfg: EvalConfig) -> tuple[list[layout.Prompt], list[Path]]:

@@ -78,6 +78,11 @@ def stats_name(output: Path) -> str:
     return Path(output).name.rsplit(".", 1)[0] + ".stats.json"
 
 
+def seconds_name(rank: int) -> str:
+    """Seconds per phase that rank spent in a stage whose outputs are not files of their own (eval)."""
+    return f"seconds-r{rank:03d}.json"
+
+
 def round_dir(run_dir: Path, round_index: int) -> Path:
     return Path(run_dir) / f"round-{round_index:04d}"
 
@@ -210,6 +215,18 @@ def remove_stale_temps(folder: Path, rank: int, world_size: int) -> None:
         if world_size > 1 and f"-r{rank:03d}-" not in p.name:
             continue
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def read_seconds(folder: Path, rank: int | None = None) -> dict[str, float]:
+    """Seconds per phase from `seconds_name(rank)` files: one rank's, or (rank None) summed over every
+    rank's, which is compute time, not wall-clock (ranks run side by side)."""
+    paths = [Path(folder) / seconds_name(rank)] if rank is not None else sorted(Path(folder).glob("seconds-r*.json"))
+    total: dict[str, float] = {}
+    for path in paths:
+        if path.is_file():
+            for k, v in json.loads(path.read_text()).items():
+                total[k] = round(total.get(k, 0.0) + v, 3)
+    return total
 
 
 def sum_stats(outputs: list[Path]) -> dict:

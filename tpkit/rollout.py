@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from tpkit import formulas, layout
 from tpkit.config import RolloutConfig, to_dict
 from tpkit.layout import EMBED_KEYS, Prompt, PromptRecord, ShardWriter, TrajectoryRecord
 from tpkit.sd3 import png_bytes
+from tpkit.timing import Phases
 
 
 def derive_seed(*parts) -> int:
@@ -104,36 +104,34 @@ def trajectory_meta(cfg: RolloutConfig, prompt: Prompt, member: int, seed: int, 
 def write_shard(model, cfg: RolloutConfig, prompts: list[Prompt], sigmas: list[float], start: int, path: Path,
                 shard: int, advance=lambda n: None) -> None:
     """Sample every member of these prompts and write them as one shard (with its stats sidecar)."""
-    t0 = time.perf_counter()
-    emb = model.encode([p.prompt for p in prompts], cfg.max_sequence_length)
-    t_encode = time.perf_counter() - t0
+    phases = Phases(model.device)
+    with phases("encode"):
+        emb = model.encode([p.prompt for p in prompts], cfg.max_sequence_length)
     writer = ShardWriter()
     for i, p in enumerate(prompts):
         writer.add_prompt(PromptRecord(p.prompt_id, p.prompt, p.metadata, {k: emb[k][i: i + 1] for k in EMBED_KEYS}))
     jobs = [(i, p, m) for i, p in enumerate(prompts) for m in range(cfg.group_size)]
-    t_sample = t_decode = 0.0
     for b in range(0, len(jobs), cfg.batch_size):
         batch = jobs[b: b + cfg.batch_size]
         seeds = [derive_seed(cfg.seed, p.prompt_id, m) for _, p, m in batch]
         idx = torch.tensor([i for i, _, _ in batch], device=emb["prompt_embeds"].device)
-        t0 = time.perf_counter()
-        out = sample(model, cfg, sigmas, start, {k: emb[k][idx] for k in EMBED_KEYS}, seeds)
-        t1 = time.perf_counter()
-        images = model.decode(out.final)
-        t_decode += time.perf_counter() - t1
-        t_sample += t1 - t0
-        for n, (_, p, m) in enumerate(batch):
-            tensors = {"states": out.states[n], "velocities": out.velocities[n], "log_probs": out.log_probs[n],
-                       "final_latent": out.final[n]}
-            meta = trajectory_meta(cfg, p, m, seeds[n], start, sigmas, f"{shard:05d}-{b // cfg.batch_size:04d}", n)
-            writer.add_trajectory(TrajectoryRecord(meta, tensors, png_bytes(images[n])))
+        with phases("sample"):
+            out = sample(model, cfg, sigmas, start, {k: emb[k][idx] for k in EMBED_KEYS}, seeds)
+        with phases("decode"):
+            images = model.decode(out.final)
+        with phases("write"):  # PNG encoding and the shard's bytes
+            for n, (_, p, m) in enumerate(batch):
+                tensors = {"states": out.states[n], "velocities": out.velocities[n], "log_probs": out.log_probs[n],
+                           "final_latent": out.final[n]}
+                meta = trajectory_meta(cfg, p, m, seeds[n], start, sigmas, f"{shard:05d}-{b // cfg.batch_size:04d}", n)
+                writer.add_trajectory(TrajectoryRecord(meta, tensors, png_bytes(images[n])))
         advance(len(batch))
-    t0 = time.perf_counter()
-    data = writer.to_bytes()
+    with phases("write"):
+        data = writer.to_bytes()
     layout.write_output(path, data, {
         "counts": {"prompts": len(prompts), "trajectories": len(jobs), "transformer_calls": len(jobs) * cfg.steps,
                    "decodes": len(jobs)},
-        "seconds": {"encode": t_encode, "sample": t_sample, "decode": t_decode, "write": time.perf_counter() - t0},
+        "seconds": phases.seconds,
     })
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import math
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +25,10 @@ from tpkit.config import ScoreConfig, to_dict
 from tpkit.errors import InputError, RewardError
 from tpkit.layout import EMBED_KEYS, PromptRecord, TrajectoryRecord
 from tpkit.rewards import Reward, load_rewards, score_images
+from tpkit.timing import Phases
 
+# Seconds per phase in every score file's stats (reward_wait: the stage waiting for the reward thread).
+PHASES = ("read", "transformer", "decode", "reward_wait", "write")
 # Settings every trajectory of a rollout must share (they define what "step k" means).
 SHARED_SETTINGS = ("model", "lora", "sampler", "noise_level", "guidance", "steps", "window_start", "window_size",
                    "resolution", "sigmas")
@@ -55,9 +57,6 @@ class Counters:
     transformer_batches: int = 0  # forward passes
     decodes: int = 0
     reward_calls: int = 0
-    t_transformer: float = 0.0
-    t_decode: float = 0.0
-    t_reward_wait: float = 0.0
 
 
 def _pil(image_or_png):
@@ -76,6 +75,7 @@ class BranchScorer:
         self.pool = ThreadPoolExecutor(max_workers=cfg.reward_workers, thread_name_prefix="tpkit-reward") \
             if cfg.reward_workers else None
         self.counters = Counters()
+        self.phases = Phases(model.device if model is not None else None)
 
     def close(self) -> None:
         if self.pool:
@@ -99,7 +99,7 @@ class BranchScorer:
     def score_shard(self, prompts: dict[str, PromptRecord], trajs: list[TrajectoryRecord], branches: str,
                     advance=lambda n: None) -> dict[tuple[int, int], dict[str, float]]:
         """{(trajectory index, k): {column: value}} for k = 0..K (or only K with branches='final')."""
-        cfg, c = self.cfg, self.counters
+        cfg = self.cfg
         K = trajs[0].meta["window_size"]
         futures: list[Future] = []
         # R_K: the trajectory's own final image, already decoded by rollout.
@@ -109,12 +109,11 @@ class BranchScorer:
         if branches == "all":
             futures += self._complete(prompts, trajs, advance)
         results: dict[tuple[int, int], dict[str, float]] = {}
-        t0 = time.perf_counter()
-        for f in futures:
-            keys, cols = f.result()
-            for i, key in enumerate(keys):
-                results[key] = {name: vals[i] for name, vals in cols.items()}
-        c.t_reward_wait += time.perf_counter() - t0
+        with self.phases("reward_wait"):
+            for f in futures:
+                keys, cols = f.result()
+                for i, key in enumerate(keys):
+                    results[key] = {name: vals[i] for name, vals in cols.items()}
         return results
 
     def _complete(self, prompts: dict[str, PromptRecord], trajs: list[TrajectoryRecord], advance) -> list[Future]:
@@ -145,9 +144,8 @@ class BranchScorer:
         def flush(force: bool) -> None:
             while finished and (force or len(finished) >= cfg.decode_batch_size):
                 batch = [finished.pop(0) for _ in range(min(cfg.decode_batch_size, len(finished)))]
-                t0 = time.perf_counter()
-                images = model.decode(torch.stack([b.x for b in batch]))
-                c.t_decode += time.perf_counter() - t0
+                with self.phases("decode"):
+                    images = model.decode(torch.stack([b.x for b in batch]))
                 c.decodes += len(batch)
                 futures.append(self._score_async([(b.traj, b.k) for b in batch], list(images), trajs, prompts))
                 advance(len(batch))
@@ -157,17 +155,15 @@ class BranchScorer:
                 b = pending.popleft()
                 (finished if b.done else active).append(b)
             if active:
-                t0 = time.perf_counter()
-                x = torch.stack([b.x for b in active])
-                sig = torch.tensor([b.sigmas[b.p] for b in active])
-                sig_next = torch.tensor([b.sigmas[b.p + 1] for b in active])
-                rows = prompt_row[[b.traj for b in active]].to(model.device)
-                with torch.no_grad():
+                with self.phases("transformer"), torch.no_grad():
+                    x = torch.stack([b.x for b in active])
+                    sig = torch.tensor([b.sigmas[b.p] for b in active])
+                    sig_next = torch.tensor([b.sigmas[b.p + 1] for b in active])
+                    rows = prompt_row[[b.traj for b in active]].to(model.device)
                     v = model.velocity(x, sig, {k: e[rows] for k, e in emb.items()}, w)
                     x_next = formulas.ode_step(x, v, sig.to(x.device), sig_next.to(x.device))
                 c.transformer_calls += len(active)
                 c.transformer_batches += 1
-                c.t_transformer += time.perf_counter() - t0
                 for b, xn in zip(active, x_next):
                     b.x, b.p = xn, b.p + 1
                 finished += [b for b in active if b.done]
@@ -257,23 +253,20 @@ def _run(cfg: ScoreConfig, rewards: list[Reward] | None) -> dict | None:
             # 4. Per shard: complete branches, decode, score; write Parquet + stats atomically.
             with track(total, "score branches") as advance:
                 for shard in todo:
-                    before = vars(scorer.counters).copy()
-                    t0 = time.perf_counter()
-                    prompts, trajs = layout.read_shard(shard)
-                    reference = reference or {k: trajs[0].meta.get(k) for k in SHARED_SETTINGS}
-                    check_rollout(trajs, reference, shard)
-                    t_read = time.perf_counter() - t0
+                    counts_before, seconds_before = vars(scorer.counters).copy(), dict(scorer.phases.seconds)
+                    with scorer.phases("read"):
+                        prompts, trajs = layout.read_shard(shard)
+                        reference = reference or {k: trajs[0].meta.get(k) for k in SHARED_SETTINGS}
+                        check_rollout(trajs, reference, shard)
                     results = scorer.score_shard(prompts, trajs, cfg.branches, advance)
                     rows, dropped = check_finite(rows_for_shard(trajs, results, cfg.branches), shard, cfg.on_nan)
-                    t0 = time.perf_counter()
-                    data = layout.parquet_bytes(pa.Table.from_pylist(rows))
-                    delta = {k: v - before[k] for k, v in vars(scorer.counters).items()}
+                    with scorer.phases("write"):
+                        data = layout.parquet_bytes(pa.Table.from_pylist(rows))
                     stats = {"counts": {"trajectories": len(trajs) - len(dropped), "dropped_nan": len(dropped),
                                         "rows": len(rows),
-                                        **{k: delta[k] for k in ("transformer_calls", "transformer_batches", "decodes",
-                                                                 "reward_calls")}},
-                             "seconds": {"read": t_read, "transformer": delta["t_transformer"], "decode": delta["t_decode"],
-                                         "reward_wait": delta["t_reward_wait"], "write": time.perf_counter() - t0},
+                                        **{k: v - counts_before[k] for k, v in vars(scorer.counters).items()}},
+                             "seconds": {k: scorer.phases.seconds.get(k, 0.0) - seconds_before.get(k, 0.0)
+                                         for k in PHASES},
                              "dropped_trajectories": dropped}
                     layout.write_output(target(shard), data, stats)
         finally:

@@ -28,6 +28,7 @@ from tpkit import formulas, layout
 from tpkit.config import TrainConfig, to_dict
 from tpkit.errors import InputError, TpkitError
 from tpkit.layout import EMBED_KEYS
+from tpkit.timing import Phases
 
 ADAPTER, ADAPTER_EMA, STATE, CHECKPOINT = "adapter", "adapter-ema", "state", "checkpoint"
 
@@ -134,6 +135,7 @@ def _run(cfg: TrainConfig) -> dict:
     from tpkit.ui import track
 
     # 1. Check inputs: the rollout, its advantages, and the state to continue from.
+    t_start = time.perf_counter()
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
     rollout = layout.read_manifest(rollout_dir, "rollout")
     adv_manifest = layout.read_manifest(cfg.advantages, "advantages")
@@ -142,6 +144,7 @@ def _run(cfg: TrainConfig) -> dict:
                          "pass the rollout folder that was scored for these advantages (same round)")
     adv = read_advantages(Path(cfg.advantages))
     batches, embeds, meta = load_micro_batches(rollout_dir, adv, cfg, set(adv_manifest.get("dropped_trajectories", [])))
+    t_read = time.perf_counter() - t_start
     state_in = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
     trainer_state = json.loads((state_in / "trainer.json").read_text()) if state_in and (state_in / "trainer.json").is_file() else {}
     global_step = round_start = trainer_state.get("global_step", 0)
@@ -151,10 +154,14 @@ def _run(cfg: TrainConfig) -> dict:
     # cpu=True also when no GPU exists: only then does accelerate set up gloo DDP under torchrun.
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=on_cpu)
+    phases = Phases(accelerator.device)
+    phases.add("read", t_read)
     sd3.release()  # an inference pipeline kept by rollout/score would only take memory now
-    model = sd3.load(rollout["config"]["model"], str(accelerator.device), cfg.dtype, text_encoders=False, vae=False)
-    torch.manual_seed(cfg.seed)  # the LoRA init must not depend on what ran before in this process
-    lora_config = sd3.add_trainable_lora(model.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.init_lora)
+    with phases("load"):
+        model = sd3.load(rollout["config"]["model"], str(accelerator.device), cfg.dtype, text_encoders=False, vae=False)
+        torch.manual_seed(cfg.seed)  # the LoRA init must not depend on what ran before in this process
+        lora_config = sd3.add_trainable_lora(model.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets,
+                                             cfg.init_lora)
     if cfg.gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
     params = [p for p in model.transformer.parameters() if p.requires_grad]
@@ -179,7 +186,6 @@ def _run(cfg: TrainConfig) -> dict:
     if accelerator.num_processes > 1 and min(len(s) for s in steps) < accelerator.num_processes:
         raise TrainError(f"{min(len(s) for s in steps)} micro-batches in an optimizer step for "
                          f"{accelerator.num_processes} processes", "use fewer --optimizer-steps or a larger rollout")
-    t_start = time.perf_counter()
     with track(sum(len(s) for s in steps), "train micro-batches") as advance:
         advance(sum(len(s) for s in steps[:steps_done]))
         for step_index, step_batches in enumerate(steps):
@@ -193,85 +199,96 @@ def _run(cfg: TrainConfig) -> dict:
                 sync = i == len(mine) - 1
                 ctx = accelerator.no_sync(transformer) if not sync else contextlib.nullcontext()
                 with ctx:
-                    loss, stats = _micro_batch_loss(model, transformer, b, embeds, settings, cfg, accelerator)
-                    accelerator.backward(loss * accelerator.num_processes / n_samples)
+                    loss, stats = _micro_batch_loss(model, transformer, b, embeds, settings, cfg, accelerator, phases)
+                    with phases("backward"):
+                        accelerator.backward(loss * accelerator.num_processes / n_samples)
                 sums += stats
                 advance(1)
-            sums = accelerator.reduce(sums, reduction="sum")
-            grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-            finite = bool(torch.isfinite(sums).all()) and np.isfinite(grad_norm)
-            if finite:
-                optimizer.step()
-                bad_in_row = 0
-                if ema is not None:
-                    _update_ema(ema, model.transformer, cfg.ema_decay)
-            else:
-                bad_in_row += 1
-            optimizer.zero_grad(set_to_none=True)
+            with phases("optimizer"):  # gradient all-reduce wait, clipping, AdamW, EMA
+                sums = accelerator.reduce(sums, reduction="sum")
+                grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+                grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+                finite = bool(torch.isfinite(sums).all()) and np.isfinite(grad_norm)
+                if finite:
+                    optimizer.step()
+                    bad_in_row = 0
+                    if ema is not None:
+                        _update_ema(ema, model.transformer, cfg.ema_decay)
+                else:
+                    bad_in_row += 1
+                optimizer.zero_grad(set_to_none=True)
             global_step += 1
             metrics.append(_metrics_line(global_step, sums, n_samples, grad_norm, cfg, finite, time.perf_counter() - t0))
             if bad_in_row >= cfg.max_bad_steps:
                 raise TrainError(f"{bad_in_row} optimizer steps in a row had a non-finite loss or gradient",
                                  "lower --learning-rate, check the rewards/advantages, or raise --max-bad-steps")
             if cfg.checkpoint_every and (step_index + 1) % cfg.checkpoint_every == 0 and step_index + 1 < len(steps):
-                if accelerator.is_main_process:
-                    _write_checkpoint(out / CHECKPOINT, accelerator.unwrap_model(transformer), optimizer, ema, {
-                        "steps_done": step_index + 1, "global_step": global_step, "round_start": round_start,
-                        "metrics": metrics, "bad_in_row": bad_in_row})
-                accelerator.wait_for_everyone()
+                with phases("checkpoint"):
+                    if accelerator.is_main_process:
+                        _write_checkpoint(out / CHECKPOINT, accelerator.unwrap_model(transformer), optimizer, ema, {
+                            "steps_done": step_index + 1, "global_step": global_step, "round_start": round_start,
+                            "metrics": metrics, "bad_in_row": bad_in_row})
+                    accelerator.wait_for_everyone()
 
     # 4. Save (main process): adapter, EMA adapter, optimizer/EMA state, metrics, then the manifest.
     accelerator.wait_for_everyone()
     manifest = None
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(transformer)
-        sd3.save_lora(unwrapped, lora_config, out / ADAPTER)
-        if ema is not None:
-            sd3.save_lora(ema, lora_config, out / ADAPTER_EMA)
-        _save_state(out / STATE, optimizer, ema, global_step)
-        layout.atomic_write(out / layout.METRICS_FILE, "".join(json.dumps(m) + "\n" for m in metrics).encode())
+        with phases("save"):
+            unwrapped = accelerator.unwrap_model(transformer)
+            sd3.save_lora(unwrapped, lora_config, out / ADAPTER)
+            if ema is not None:
+                sd3.save_lora(ema, lora_config, out / ADAPTER_EMA)
+            _save_state(out / STATE, optimizer, ema, global_step)
+            layout.atomic_write(out / layout.METRICS_FILE, "".join(json.dumps(m) + "\n" for m in metrics).encode())
+        transitions = sum(len(b.prompt_ids) for s in steps for b in s)
         manifest = layout.write_manifest(
             out, "train", to_dict(cfg),
             inputs={"rollout": str(rollout_dir), "advantages": str(cfg.advantages), "init_lora": cfg.init_lora,
                     "model": rollout["config"]["model"]},
+            # Model work of the whole stage, all processes (a CFG pair counts once): each transition is one
+            # forward with gradients and its backward, plus one reference forward when beta > 0.
             counts={"optimizer_steps": len(metrics), "micro_batches": sum(len(s) for s in steps),
-                    "transitions": sum(len(b.prompt_ids) for s in steps for b in s), "global_step": global_step,
+                    "transitions": transitions, "transformer_calls": transitions,
+                    "reference_calls": transitions if cfg.beta > 0 else 0, "global_step": global_step,
                     "processes": accelerator.num_processes,
                     "nonfinite_steps": sum(not m["finite"] for m in metrics)},
-            seconds={"train": time.perf_counter() - t_start}, last_metrics=metrics[-1] if metrics else {},
-            resumed_from_step=steps_done,
+            seconds=phases.rounded(),  # this process's (the main one), this run's (not a killed earlier run's)
+            last_metrics=metrics[-1] if metrics else {}, resumed_from_step=steps_done,
         )
         shutil.rmtree(out / CHECKPOINT, ignore_errors=True)  # the finished stage supersedes it
     accelerator.wait_for_everyone()
     return manifest or {}
 
 
-def _micro_batch_loss(model, transformer, b: MicroBatch, embeds, settings, cfg: TrainConfig, accelerator):
+def _micro_batch_loss(model, transformer, b: MicroBatch, embeds, settings, cfg: TrainConfig, accelerator,
+                      phases: Phases):
     """Sum over the micro-batch of the per-sample GRPO loss, and metric sums (float64 [8])."""
     device = accelerator.device
-    emb = {k: torch.cat([embeds[p][k] for p in b.prompt_ids]) for k in EMBED_KEYS}
-    x, x_next = b.x.to(device), b.x_next.to(device)
-    sigma, sigma_next = b.sigma.to(device), b.sigma_next.to(device)
-    with accelerator.autocast():
-        v = model.velocity(x, sigma, emb, settings["guidance"], transformer=transformer)
-    step = formulas.stochastic_step(settings["sampler"], x, v, sigma, sigma_next, settings["noise_level"],
-                                    settings["sigma_1"], sample=x_next)
-    old = b.old_log_prob.to(device)
-    adv = b.advantage.to(device).float()
-    policy, ratio = formulas.clipped_policy_loss(step.log_prob, old, adv, cfg.clip_range, cfg.adv_clip)
+    with phases("forward"):
+        emb = {k: torch.cat([embeds[p][k] for p in b.prompt_ids]) for k in EMBED_KEYS}
+        x, x_next = b.x.to(device), b.x_next.to(device)
+        sigma, sigma_next = b.sigma.to(device), b.sigma_next.to(device)
+        with accelerator.autocast():
+            v = model.velocity(x, sigma, emb, settings["guidance"], transformer=transformer)
+        step = formulas.stochastic_step(settings["sampler"], x, v, sigma, sigma_next, settings["noise_level"],
+                                        settings["sigma_1"], sample=x_next)
+        old = b.old_log_prob.to(device)
+        adv = b.advantage.to(device).float()
+        policy, ratio = formulas.clipped_policy_loss(step.log_prob, old, adv, cfg.clip_range, cfg.adv_clip)
     kl = torch.zeros_like(policy)
     if cfg.beta > 0:
-        base = accelerator.unwrap_model(transformer)
-        base.disable_adapters()  # the reference policy is the base model: no second copy in memory
-        try:
-            with torch.no_grad(), accelerator.autocast():
-                v_ref = model.velocity(x, sigma, emb, settings["guidance"], transformer=base)
-        finally:
-            base.enable_adapters()
-        ref = formulas.stochastic_step(settings["sampler"], x, v_ref, sigma, sigma_next, settings["noise_level"],
-                                       settings["sigma_1"], sample=x_next)
-        kl = formulas.kl_to_reference(step.mean, ref.mean, step.std)
+        with phases("reference"):
+            base = accelerator.unwrap_model(transformer)
+            base.disable_adapters()  # the reference policy is the base model: no second copy in memory
+            try:
+                with torch.no_grad(), accelerator.autocast():
+                    v_ref = model.velocity(x, sigma, emb, settings["guidance"], transformer=base)
+            finally:
+                base.enable_adapters()
+            ref = formulas.stochastic_step(settings["sampler"], x, v_ref, sigma, sigma_next, settings["noise_level"],
+                                           settings["sigma_1"], sample=x_next)
+            kl = formulas.kl_to_reference(step.mean, ref.mean, step.std)
     loss = (policy + cfg.beta * kl).sum()
     with torch.no_grad():
         d = (step.log_prob - old).double()
