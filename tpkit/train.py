@@ -135,27 +135,26 @@ def _run(cfg: TrainConfig) -> dict:
     from tpkit.ui import track
 
     # 1. Check inputs: the rollout, its advantages, and the state to continue from.
-    t_start = time.perf_counter()
+    # cpu=True also when no GPU exists: only then does accelerate set up gloo DDP under torchrun.
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    phases = Phases("cpu" if on_cpu else sd3.pick_device(cfg.device))
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
     rollout = layout.read_manifest(rollout_dir, "rollout")
     adv_manifest = layout.read_manifest(cfg.advantages, "advantages")
     if adv_manifest.get("rollout_id") and adv_manifest["rollout_id"] != rollout.get("rollout_id"):
         raise InputError(f"{cfg.advantages} were computed from another rollout than {rollout_dir}",
                          "pass the rollout folder that was scored for these advantages (same round)")
-    adv = read_advantages(Path(cfg.advantages))
-    batches, embeds, meta = load_micro_batches(rollout_dir, adv, cfg, set(adv_manifest.get("dropped_trajectories", [])))
-    t_read = time.perf_counter() - t_start
+    with phases("read"):
+        adv = read_advantages(Path(cfg.advantages))
+        batches, embeds, meta = load_micro_batches(rollout_dir, adv, cfg,
+                                                   set(adv_manifest.get("dropped_trajectories", [])))
     state_in = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
     trainer_state = json.loads((state_in / "trainer.json").read_text()) if state_in and (state_in / "trainer.json").is_file() else {}
     global_step = round_start = trainer_state.get("global_step", 0)
     resume = _read_checkpoint(out) if not (out / layout.MANIFEST).is_file() else None
 
     # 2. Model: transformer only, frozen, with a trainable float32 LoRA (continuing the previous round's).
-    # cpu=True also when no GPU exists: only then does accelerate set up gloo DDP under torchrun.
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=on_cpu)
-    phases = Phases(accelerator.device)
-    phases.add("read", t_read)
     sd3.release()  # an inference pipeline kept by rollout/score would only take memory now
     with phases("load"):
         model = sd3.load(rollout["config"]["model"], str(accelerator.device), cfg.dtype, text_encoders=False, vae=False)
