@@ -146,9 +146,7 @@ def _run(cfg: EvalConfig) -> dict | None:
     batches = [c for n, c in enumerate(prompt_batches(len(prompts), cfg)) if n % cfg.world_size == cfg.rank
                and any(unfinished(i) for i in c)]
     mine = [i for c in batches for i in c if unfinished(i)]
-    phases = Phases(sd3.pick_device(cfg.device))
-    for k, v in layout.read_seconds(out, cfg.rank).items():  # an interrupted earlier run's, if any
-        phases.add(k, v)
+    phases = Phases(sd3.pick_device(cfg.device), layout.read_seconds(out, cfg.rank))  # + an interrupted run's
 
     # 3. Generate the missing images (unless scoring an existing folder).
     if mine and not cfg.images:

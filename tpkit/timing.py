@@ -16,8 +16,8 @@ from typing import Iterator
 class Phases:
     """Accumulates wall seconds per named phase: `with phases("decode"): ...`."""
 
-    def __init__(self, device=None) -> None:
-        self.seconds: dict[str, float] = {}
+    def __init__(self, device=None, seconds: dict[str, float] | None = None) -> None:
+        self.seconds: dict[str, float] = dict(seconds or {})  # starting totals, e.g. an interrupted run's
         self._cuda = device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda"
 
     def _sync(self) -> None:
