@@ -80,3 +80,20 @@ def test_splits_are_disjoint_and_cover_every_task():
     assert shapes.prompts("test", 5, seed=3) == shapes.prompts("test", 5, seed=3)
     for m in train + test:
         geneval.check_meta(m)
+
+
+def test_shipped_prompt_files_are_what_the_command_writes(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = Path(shapes.__file__).resolve().parents[1] / "data"
+    for split in ("train", "test"):
+        out = tmp_path / f"{split}.jsonl"
+        done = subprocess.run([sys.executable, "-m", "tpkit", "prompts", "shapes", "--split", split, "--out", str(out)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert out.read_bytes() == (data / f"shapes-{split}.jsonl").read_bytes()
+    bad = subprocess.run([sys.executable, "-m", "tpkit", "prompts", "shapes", "--split", "val", "--out",
+                          str(tmp_path / "x.jsonl")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--split train" in bad.stdout + bad.stderr

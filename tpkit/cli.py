@@ -270,6 +270,22 @@ def prompts_geneval(
     console.print(f"[green]done[/]: {path} ({lines} prompts)")
 
 
+@prompts_app.command("shapes")
+def prompts_shapes(
+    split: str = typer.Option(..., help="train or test: disjoint prompt sets of the shapes testbed (tpkit.shapes)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output .jsonl (default: data/shapes-SPLIT.jsonl)."),
+    n: Optional[int] = typer.Option(None, help="Prompts per task (default 80 for train, 16 for test)."),
+    seed: int = typer.Option(0, help="Order of the prompts within each task."),
+) -> None:
+    """GenEval metadata for scenes of coloured shapes (the tiny-shapes testbed), six tasks."""
+    from tpkit.shapes import write_prompts
+    from tpkit.ui import console
+
+    path = write_prompts(out or Path("data") / f"shapes-{split}.jsonl", split, n, seed)
+    lines = sum(1 for _ in path.open())
+    console.print(f"[green]done[/]: {path} ({lines} prompts)")
+
+
 @app.command()
 def doctor(
     recipe: Optional[Path] = typer.Argument(None, metavar="[RECIPE]",

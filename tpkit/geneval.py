@@ -571,10 +571,15 @@ _MODELS_LOCK = threading.Lock()
 
 
 def load_models(detector: str = DEFAULT_DETECTOR, clip: str = DEFAULT_CLIP, device=None,
-                fixes: dict[str, str] | None = None) -> tuple[Detector, ColourClassifier]:
+                fixes: dict[str, str] | None = None) -> tuple[Callable, ColourClassifier | None]:
     """The detector and colour classifier, built once per process and (detector, clip, device), shared by
     the `geneval` and `geneval-strict` rewards and `tpkit eval geneval`. fixes: option -> what to tell
-    the user when that model is missing."""
+    the user when that model is missing. detector "shapes": `tpkit.shapes_detect.ShapesDetector` and no
+    colour classifier (its detections carry their colour; `clip` is not loaded)."""
+    if detector == "shapes":  # tpkit.shapes scenes: a weight-free detector that reports colours itself
+        from tpkit.shapes_detect import ShapesDetector
+
+        return ShapesDetector(), None
     device = device if device is not None else _device()
     key = (detector, clip, str(device))
     with _MODELS_LOCK:
@@ -589,8 +594,9 @@ def detect_and_judge(images: Sequence, metadata: Sequence[dict], detector: Calla
                      batch_size: int | None = None) -> list[Judgement]:
     """Detect objects, classify the colours the prompts ask about, judge each image (GenEval's protocol).
 
-    detector(images) -> per image [{"class", "score", "box", "mask"}] (a `Detector`); colours(crops,
-    classes) -> colour names (a `ColourClassifier`; only called when a prompt asks for a colour).
+    detector(images) -> per image [{"class", "score", "box", "mask"[, "color"]}] (a `Detector`); colours(crops,
+    classes) -> colour names (a `ColourClassifier`; only called when a prompt asks for the colour of a
+    detection that has none).
     Raises ValueError on malformed metadata, before running any model.
     """
     from PIL import ImageOps
@@ -603,9 +609,9 @@ def detect_and_judge(images: Sequence, metadata: Sequence[dict], detector: Calla
     found = detector(images, batch_size=batch_size) if batch_size else detector(images)
     per_image, asks = [], []
     for i, (meta, dets) in enumerate(zip(metadata, found)):
-        dets = [dict(d, color=None) for d in dets]
+        dets = [dict(d, color=d.get("color")) for d in dets]
         per_image.append(dets)
-        asks += [(i, d) for d in colour_requests(meta, dets)]
+        asks += [(i, d) for d in colour_requests(meta, dets) if d["color"] is None]
     if asks:
         if colours is None:
             raise ValueError("these prompts ask for colours but no colour classifier was given")

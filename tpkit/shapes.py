@@ -263,15 +263,21 @@ def _place(specs: list[tuple[str, str]], rng: np.random.Generator) -> list[Obj] 
         lo, hi = MARGIN + s / 2, CANVAS - MARGIN - s / 2
         x, y = (float(np.round(rng.uniform(lo, hi) * 4) / 4) for _ in range(2))
         objects.append(Obj(shape, colour, x, y, s))
+    return objects if valid_layout(objects) else None
+
+
+def valid_layout(objects: Sequence[Obj]) -> bool:
+    """The layout rules: same-colour objects SAME_COLOUR_GAP px apart, each MIN_VISIBLE visible
+    (sizes and margins are the sampler's business)."""
     masks = _coverage_masks(objects, CANVAS)
     visible = _visible(masks)
     for i, (o, m, v) in enumerate(zip(objects, masks, visible)):
         if v.sum() < MIN_VISIBLE * m.sum():
-            return None
+            return False
         for j in range(i):
             if objects[j].colour == o.colour and (_dilate(m, SAME_COLOUR_GAP) & masks[j]).any():
-                return None
-    return objects
+                return False
+    return True
 
 
 def _satisfied(meta: dict, objects: list[Obj]) -> bool:
@@ -387,3 +393,16 @@ def _dilate(mask: np.ndarray, r: int) -> np.ndarray:
         grown[:, :-1] |= grown[:, 1:].copy()
         out = grown
     return out
+
+
+def write_prompts(out, split: str, n: int | None = None, seed: int = DEFAULT_SEED):
+    """`tpkit prompts shapes`: write `prompts(split, n, seed)` as GenEval metadata .jsonl; its path."""
+    from tpkit.errors import ConfigError
+
+    if split not in ("train", "test"):
+        raise ConfigError(f"unknown split {split!r}", "use --split train or --split test")
+    try:
+        items = prompts(split, n, seed)
+    except ValueError as e:
+        raise ConfigError(str(e), "pass --n 1 or more (prompts per task)") from None
+    return gp.write_jsonl(out, items)
