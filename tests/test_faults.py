@@ -690,7 +690,10 @@ def test_nan_reward_stops_by_default_and_drop_leaves_the_trajectory_out(clean, t
 
     t = train.run(TrainConfig(rollout=str(clean / "rollout"), advantages=str(tmp_path / "advantages"),
                               out=str(tmp_path / "train"), lora_rank=4, lora_alpha=8, optimizer_steps=2))
-    assert t["counts"]["transitions"] == (2 * N_SHARDS - 1) * K
+    # the lone member's advantage is 0 at every step: left out of the loss, as the release does
+    assert t["counts"]["zero_advantage_trajectories"] == 1
+    assert t["counts"]["trajectories_in_loss"] == 2 * N_SHARDS - 2
+    assert t["counts"]["transitions"] == (2 * N_SHARDS - 2) * K
     assert t["counts"]["nonfinite_steps"] == 0
 
 

@@ -112,14 +112,14 @@ def test_set_through_a_value_is_refused():
 def test_set_values_parse_as_toml():
     r = load_recipe(TINY, ["rollout.group_size=4", "train.learning_rate=1e-3", "train.ema=true",
                            'name="my run"', "rollout.window_range=[1, 9]", "rollout.window_size=8",
-                           "train.lora_targets=['to_q', 'to_v']", "method=flow-grpo", "train.beta=0",
+                           "train.lora_targets=['attn.to_q', 'attn.to_v']", "method=flow-grpo", "train.beta=0",
                            "rewards.brightness=2"])
     assert r.rollout.group_size == 4 and type(r.rollout.group_size) is int
     assert r.train.learning_rate == 1e-3 and type(r.train.learning_rate) is float
     assert r.train.ema is True
     assert r.name == "my run"
     assert r.rollout.window_range == (1, 9)
-    assert r.train.lora_targets == ["to_q", "to_v"]
+    assert r.train.lora_targets == ["attn.to_q", "attn.to_v"]
     assert r.method == "flow-grpo"  # a bare string stays a string
     assert r.train.beta == 0
     assert r.score.rewards == {"brightness": 2.0}

@@ -146,6 +146,15 @@ def test_prompt_embeddings_stored_once_per_prompt(shards):
     assert sorted(seen) == ["p00000", "p00001"]
 
 
+def test_default_rollout_stores_77_clip_and_128_t5_tokens(shards, manifests):
+    """The release encodes prompts with max_sequence_length = 128: CLIP's 77 tokens then T5's 128."""
+    assert manifests["rollout"]["config"]["max_sequence_length"] == 128
+    for _, prompts, _ in shards:
+        for rec in prompts.values():
+            assert rec.embeds["prompt_embeds"].shape[1] == 77 + 128
+            assert rec.embeds["negative_prompt_embeds"].shape[1] == 77 + 128
+
+
 def test_shards_are_plain_webdataset(shards):
     wds = pytest.importorskip("webdataset")
     n_traj = 0

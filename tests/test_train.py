@@ -49,9 +49,9 @@ def differs(a: dict, b: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def trained(tiny_run, tmp_path_factory) -> Path:
-    """Default beta (1e-4), EMA on, 2 optimizer steps."""
+    """Default beta (1e-4), EMA on and updated every step, 2 optimizer steps."""
     out = tmp_path_factory.mktemp("train") / "train"
-    train.run(train_cfg(tiny_run, out, ema=True))
+    train.run(train_cfg(tiny_run, out, ema=True, ema_every=1))
     return out
 
 
@@ -66,7 +66,7 @@ def trained_beta0(tiny_run, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def continued(trained, tiny_run, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("train-cont") / "train"
-    train.run(train_cfg(tiny_run, out, ema=True, init_lora=str(trained / train.ADAPTER)))
+    train.run(train_cfg(tiny_run, out, ema=True, ema_every=1, init_lora=str(trained / train.ADAPTER)))
     return out
 
 
@@ -199,29 +199,98 @@ def test_continue_from_adapter(trained, continued):
     # The optimizer continued too (AdamW step counts 2 -> 4), and the weights moved on.
     state = torch.load(continued / train.STATE / "optimizer.pt", map_location="cpu", weights_only=True)
     assert all(float(s["step"]) == 4 for s in state["state"].values())
-    assert differs(adapter(trained / train.ADAPTER), adapter(continued / train.ADAPTER))
+    assert differs(adapter(trained / train.ADAPTER_RAW), adapter(continued / train.ADAPTER_RAW))
     # It started from the previous adapter: on step 3 the policy already differs from the base
     # model, so the KL term is positive from the first step of this round.
     assert metrics(continued)[0]["kl_loss"] > 0
 
 
 def test_ema_adapter(trained, trained_beta0, continued):
-    ema_dir = trained / train.ADAPTER_EMA
-    assert (ema_dir / WEIGHTS).is_file()
+    """With EMA on, adapter/ is the EMA (what users and evaluations load), adapter-raw/ the trained weights."""
+    raw = trained / train.ADAPTER_RAW
+    assert (raw / WEIGHTS).is_file() and (trained / train.ADAPTER / WEIGHTS).is_file()
     assert (trained / train.STATE / "ema.safetensors").is_file()
-    assert differs(adapter(trained / train.ADAPTER), adapter(ema_dir))
-    assert not (trained_beta0 / train.ADAPTER_EMA).exists()  # EMA off by default
+    assert differs(adapter(trained / train.ADAPTER), adapter(raw))
+    assert not (trained_beta0 / train.ADAPTER_RAW).exists()  # EMA off by default: adapter/ is the trained one
     assert not (trained_beta0 / train.STATE / "ema.safetensors").exists()
-    # The continued round writes its own EMA adapter, updated by its steps.
-    assert differs(adapter(ema_dir), adapter(continued / train.ADAPTER_EMA))
-    assert differs(adapter(continued / train.ADAPTER), adapter(continued / train.ADAPTER_EMA))
+    # The continued round writes its own EMA, updated by its steps.
+    assert differs(adapter(trained / train.ADAPTER), adapter(continued / train.ADAPTER))
+    assert differs(adapter(continued / train.ADAPTER), adapter(continued / train.ADAPTER_RAW))
+    assert train.policy_adapter(trained / train.ADAPTER) == raw
+    assert train.policy_adapter(trained_beta0 / train.ADAPTER) == trained_beta0 / train.ADAPTER
+
+
+def test_ema_decay_warms_up_as_the_release():
+    assert train.ema_decay(0.9, 1) == 2 / 11
+    assert train.ema_decay(0.9, 8) == 9 / 18
+    assert train.ema_decay(0.9, 80) == 0.9 and train.ema_decay(0.9, 10_000) == 0.9
+
+
+def test_ema_every_8_steps_by_default(tiny_run, tmp_path):
+    """The release's interval: 2 optimizer steps update no EMA, so adapter/ is still the initial LoRA
+    (B = 0: the base model) while adapter-raw/ has moved."""
+    out = tmp_path / "train"
+    train.run(train_cfg(tiny_run, out, ema=True))
+    ema, raw = adapter(out / train.ADAPTER), adapter(out / train.ADAPTER_RAW)
+    assert all(not v.any() for k, v in ema.items() if "lora_B" in k)
+    assert any(v.any() for k, v in raw.items() if "lora_B" in k)
+
+
+def test_continuing_an_ema_round_continues_the_trained_weights(trained, tiny_run, tmp_path):
+    """--init-lora PREV/adapter of an EMA run starts from PREV/adapter-raw, not from the EMA."""
+    out = tmp_path / "train"
+    train.run(train_cfg(tiny_run, out, init_lora=str(trained / train.ADAPTER), learning_rate=1e-12))
+    start, raw, ema = adapter(out / train.ADAPTER), adapter(trained / train.ADAPTER_RAW), adapter(trained / train.ADAPTER)
+    assert all(torch.allclose(start[k], raw[k], rtol=0, atol=1e-8) for k in raw)
+    assert not all(torch.allclose(start[k], ema[k], rtol=0, atol=1e-6) for k in ema)
+
+
+def _advantages_with(tiny_run: Path, folder: Path, fn) -> Path:
+    """A copy of tiny_run's advantages with the column rewritten by fn(trajectory_ids, advantages)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shutil.copytree(tiny_run / "advantages", folder)
+    path = folder / "advantages.parquet"
+    table = pq.read_table(path)
+    adv = fn(np.asarray(table["trajectory_id"].to_pylist()), np.asarray(table["advantage"].to_pylist()))
+    pq.write_table(table.set_column(table.column_names.index("advantage"), "advantage", pa.array(adv)), path)
+    return folder
+
+
+def test_zero_advantage_trajectories_are_left_out_of_the_loss(tiny_run, tmp_path):
+    """As the release: a trajectory with A = 0 at every step does not count in the loss average
+    (and adds no KL); it still rides in its rollout batch, so the first ratio stays exactly 1."""
+    adv = _advantages_with(tiny_run, tmp_path / "adv", lambda tids, a: np.where(tids == "p00000-m001", 0.0, a))
+    runs = {}
+    for drop in (True, False):
+        out = tmp_path / f"train-{drop}"
+        train.run(train_cfg(tiny_run, out, advantages=str(adv), optimizer_steps=1, drop_zero_advantage=drop))
+        runs[drop] = (metrics(out)[0], json.loads((out / layout.MANIFEST).read_text())["counts"])
+    (dropped, counts), (kept, kept_counts) = runs[True], runs[False]
+    K = 9
+    assert counts["zero_advantage_trajectories"] == 1 and kept_counts["zero_advantage_trajectories"] == 0
+    assert counts["trajectories_in_loss"] == 7 and kept_counts["trajectories_in_loss"] == 8
+    assert dropped["samples"] == 7 * K and kept["samples"] == 8 * K
+    assert dropped["ratio_mean"] == 1.0 and kept["ratio_mean"] == 1.0
+    # ratio 1 on the first step: policy loss = -mean(A) over the counted transitions
+    assert dropped["policy_loss"] * 7 == pytest.approx(kept["policy_loss"] * 8, rel=1e-6)
+
+
+def test_nothing_to_learn_is_an_error(tiny_run, tmp_path):
+    from tpkit.train import TrainError
+
+    adv = _advantages_with(tiny_run, tmp_path / "adv", lambda tids, a: np.zeros_like(a))
+    with pytest.raises(TrainError, match="nothing to learn"):
+        train.run(train_cfg(tiny_run, tmp_path / "train", advantages=str(adv)))
+    assert not (tmp_path / "train" / layout.MANIFEST).exists()
 
 
 def test_ema_adapter_loads_into_diffusers(trained):
     from diffusers import StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline.from_pretrained(sd3.resolve_model("tiny-sd3"))
-    pipe.load_lora_weights(str(trained / train.ADAPTER_EMA))
+    pipe.load_lora_weights(str(trained / train.ADAPTER))
     assert pipe.get_list_adapters().get("transformer")
 
 

@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import typer
 
-from tpkit.config import LORA_TARGETS, TINY_MODEL
+from tpkit.config import LORA_TARGETS, LORA_TARGETS_ATTN2, TINY_MODEL, TrainConfig
 from tpkit.errors import TpkitError
 
 app = typer.Typer(
@@ -28,6 +28,7 @@ _RANK = typer.Option(None, help="This process's rank (default: $RANK or 0).")
 _WORLD = typer.Option(None, help="Number of processes (default: $WORLD_SIZE or 1).")
 _DEVICE = typer.Option("auto", help="cuda, cpu, cuda:1 ... (auto: cuda if available).")
 _DTYPE = typer.Option("auto", help="Model dtype: auto (bf16 on CUDA, float32 on CPU), float32, bf16, fp16.")
+_TEXT_LENGTH = typer.Option(None, help="T5 tokens per prompt (default: the model's; 128 for SD3.5, as the release).")
 
 
 @app.command()
@@ -47,7 +48,7 @@ def rollout(
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter folder from `tpkit train` (the current policy)."),
     prompts_per_shard: int = typer.Option(4, help="Prompt groups per shard (groups never split)."),
     batch_size: int = typer.Option(8, help="Trajectories per transformer batch (CFG doubles it)."),
-    max_sequence_length: int = typer.Option(256, help="T5 tokens per prompt."),
+    max_sequence_length: Optional[int] = _TEXT_LENGTH,
     overwrite: bool = typer.Option(False, help="Clear the output folder first and redo the stage."),
     device: str = _DEVICE, dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
 ) -> None:
@@ -131,19 +132,26 @@ def train(
     init_lora: Optional[Path] = typer.Option(None, help="adapter/ of a previous round (its state/ is continued too)."),
     lora_rank: int = typer.Option(32, help="LoRA rank r."),
     lora_alpha: int = typer.Option(64, help="LoRA alpha."),
-    lora_target: List[str] = typer.Option(list(LORA_TARGETS), help="Module names to adapt (repeatable)."),
+    lora_target: List[str] = typer.Option(
+        list(LORA_TARGETS), help="Modules to adapt (repeatable; default: the release's joint-attention projections; "
+                                 f"SD3.5's second attention is opt-in: {', '.join(LORA_TARGETS_ATTN2)})."),
     learning_rate: float = typer.Option(3e-4, help="AdamW learning rate."),
     adam_beta1: float = typer.Option(0.9), adam_beta2: float = typer.Option(0.999),
     adam_weight_decay: float = typer.Option(1e-4), adam_epsilon: float = typer.Option(1e-8),
     clip_range: float = typer.Option(1e-5, help="PPO clip range eps of the ratio."),
     adv_clip: float = typer.Option(5.0, help="Advantages are clamped to [-x, x]."),
     beta: float = typer.Option(1e-4, help="KL weight; 0 skips the reference pass."),
+    kl: str = typer.Option(TrainConfig.kl, help="release: the KL on the release's scale (sde: without its dt, so "
+                                                 "published weights mean the same); exact: the Gaussian KL."),
+    drop_zero_advantage: bool = typer.Option(TrainConfig.drop_zero_advantage,
+                                             help="Leave trajectories whose advantage is 0 at every step out of the loss (as the release)."),
     optimizer_steps: int = typer.Option(2, help="Optimizer steps per round (transitions split evenly)."),
     micro_batch_size: int = typer.Option(0, help="0: replay the rollout's batches (first ratio exactly 1); N: split them."),
     max_grad_norm: float = typer.Option(1.0, help="Gradient-norm clip."),
     mixed_precision: str = typer.Option("no", help="no, fp16 or bf16 (accelerate autocast)."),
-    ema: bool = typer.Option(False, help="Keep an EMA of the LoRA weights (saved as adapter-ema/)."),
-    ema_decay: float = typer.Option(0.95, help="EMA decay per optimizer step."),
+    ema: bool = typer.Option(TrainConfig.ema, help="Keep an EMA of the LoRA: adapter/ is then the EMA, adapter-raw/ the trained weights."),
+    ema_decay: float = typer.Option(TrainConfig.ema_decay, help="EMA decay (after the release's warm-up)."),
+    ema_every: int = typer.Option(TrainConfig.ema_every, help="Update the EMA every N optimizer steps."),
     gradient_checkpointing: bool = typer.Option(False, help="Trade compute for activation memory."),
     max_bad_steps: int = typer.Option(3, help="Stop after this many non-finite steps in a row."),
     seed: int = typer.Option(0, help="Seed of the micro-batch order."),
@@ -160,7 +168,8 @@ def train(
         rollout=str(rollout_dir), advantages=str(advantages_dir), out=str(out), init_lora=str(init_lora) if init_lora else None,
         lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=list(lora_target), learning_rate=learning_rate,
         adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_weight_decay=adam_weight_decay, adam_epsilon=adam_epsilon,
-        clip_range=clip_range, adv_clip=adv_clip, beta=beta, optimizer_steps=optimizer_steps,
+        clip_range=clip_range, adv_clip=adv_clip, beta=beta, kl=kl, drop_zero_advantage=drop_zero_advantage,
+        optimizer_steps=optimizer_steps, ema_every=ema_every,
         micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision, ema=ema,
         ema_decay=ema_decay, gradient_checkpointing=gradient_checkpointing, max_bad_steps=max_bad_steps, seed=seed,
         checkpoint_every=checkpoint_every, overwrite=overwrite, device=device, dtype=dtype,
@@ -196,7 +205,8 @@ app.add_typer(eval_app, name="eval")
 
 def _eval(kind: str, model: str, lora: Optional[Path], prompts: Optional[Path], out: Path, images: Optional[Path],
           reward: list[str], reward_opt: list[str], images_per_prompt: int, steps: int, guidance: float,
-          resolution: Optional[int], seed: int, batch_size: int, device: str, dtype: str, rank, world_size) -> None:
+          resolution: Optional[int], seed: int, batch_size: int, max_sequence_length: Optional[int], device: str,
+          dtype: str, rank, world_size) -> None:
     from tpkit import evaluate
     from tpkit.config import parse_reward_options, parse_reward_specs
     from tpkit.show import eval_view
@@ -205,8 +215,8 @@ def _eval(kind: str, model: str, lora: Optional[Path], prompts: Optional[Path], 
         kind=kind, model=model, lora=str(lora) if lora else None, prompts=str(prompts) if prompts else "", out=str(out),
         images=str(images) if images else None, rewards=parse_reward_specs(reward) if reward else {},
         reward_options=parse_reward_options(reward_opt), images_per_prompt=images_per_prompt, steps=steps,
-        guidance=guidance, resolution=resolution, seed=seed, batch_size=batch_size, device=device, dtype=dtype,
-        rank=rank, world_size=world_size)
+        guidance=guidance, resolution=resolution, seed=seed, batch_size=batch_size,
+        max_sequence_length=max_sequence_length, device=device, dtype=dtype, rank=rank, world_size=world_size)
     _finished(evaluate.run(cfg), out, eval_view)
 
 
@@ -221,12 +231,12 @@ def eval_reward(
     images: Optional[Path] = typer.Option(None, help="Score this folder of images (GenEval layout) instead of generating."),
     images_per_prompt: int = typer.Option(4), steps: int = typer.Option(40, help="ODE steps."),
     guidance: float = typer.Option(4.5), resolution: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
-    batch_size: int = typer.Option(8), device: str = _DEVICE, dtype: str = _DTYPE,
-    rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
+    batch_size: int = typer.Option(8), max_sequence_length: Optional[int] = _TEXT_LENGTH, device: str = _DEVICE,
+    dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
 ) -> None:
     """Mean ± std (overall and per prompt) of any reward over a test set, with an image grid."""
     _eval("reward", model, lora, prompts, out, images, reward, reward_opt, images_per_prompt, steps, guidance,
-          resolution, seed, batch_size, device, dtype, rank, world_size)
+          resolution, seed, batch_size, max_sequence_length, device, dtype, rank, world_size)
 
 
 @eval_app.command("geneval")
@@ -240,13 +250,13 @@ def eval_geneval(
     images: Optional[Path] = typer.Option(None, help="Judge this folder of images (GenEval layout) instead of generating."),
     images_per_prompt: int = typer.Option(4), steps: int = typer.Option(40, help="ODE steps."),
     guidance: float = typer.Option(4.5), resolution: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
-    batch_size: int = typer.Option(8), device: str = _DEVICE, dtype: str = _DTYPE,
-    rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
+    batch_size: int = typer.Option(8), max_sequence_length: Optional[int] = _TEXT_LENGTH, device: str = _DEVICE,
+    dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
 ) -> None:
     """The GenEval protocol: accuracy per task and overall (unweighted mean of the 6 tasks)."""
     opts = [f"geneval.{k}={v}" for k, v in (("detector", detector), ("clip", clip)) if v]
     _eval("geneval", model, lora, metadata, out, images, [], opts, images_per_prompt, steps, guidance,
-          resolution, seed, batch_size, device, dtype, rank, world_size)
+          resolution, seed, batch_size, max_sequence_length, device, dtype, rank, world_size)
 
 
 prompts_app = typer.Typer(help="Write prompt sets.", no_args_is_help=True)

@@ -20,6 +20,17 @@ BRANCHES = ("all", "final")
 BALANCE = ("all", "none")
 STD_MODES = ("group", "global")
 PRECISIONS = ("no", "fp16", "bf16")
+KL_MODES = ("release", "exact")
+
+# Per-model defaults where a model is not SD3.5-sized. Text length = T5 tokens per prompt
+# (`max_sequence_length`): 128 as the authors' release encodes prompts in training and evaluation.
+_DEFAULTS = {"resolution": 512, "text_length": 128}
+MODEL_DEFAULTS = {TINY_MODEL: {"resolution": 64, "text_length": 128}}
+
+
+def model_default(model: str, key: str):
+    """A default that depends on the model (resolution, text_length); SD3.5's for hub ids and folders."""
+    return MODEL_DEFAULTS.get(model, _DEFAULTS).get(key, _DEFAULTS[key])
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -87,7 +98,7 @@ class RolloutConfig:
     group_size: int = 24
     steps: int = 10
     guidance: float = 4.5
-    resolution: int | None = None  # None: 512, or 64 for tiny-sd3
+    resolution: int | None = None  # None: the model's (512; 64 for tiny-sd3)
     sampler: str = "cps"
     noise_level: float = 0.7
     window_size: int = 9
@@ -96,7 +107,7 @@ class RolloutConfig:
     lora: str | None = None
     prompts_per_shard: int = 4
     batch_size: int = 8  # trajectories per transformer batch (CFG doubles it)
-    max_sequence_length: int = 256
+    max_sequence_length: int | None = None  # T5 tokens per prompt; None: the model's (128, the release's)
     dtype: str = "auto"  # auto: bf16 on CUDA, float32 on CPU
     device: str = "auto"
     prompts_per_round: int = 0  # 0: every prompt; N: a seeded random subset of N prompts
@@ -107,7 +118,9 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         self.window_range = tuple(self.window_range)
         if self.resolution is None:
-            self.resolution = 64 if self.model == TINY_MODEL else 512
+            self.resolution = model_default(self.model, "resolution")
+        if self.max_sequence_length is None:
+            self.max_sequence_length = model_default(self.model, "text_length")
 
     def validate(self) -> "RolloutConfig":
         check_types(self)
@@ -204,7 +217,7 @@ class EvalConfig:
     resolution: int | None = None
     seed: int = 0
     batch_size: int = 8
-    max_sequence_length: int = 256
+    max_sequence_length: int | None = None  # T5 tokens per prompt; None: the model's (128, the release's)
     grid_prompts: int = 8  # prompts shown per grid PNG
     overwrite: bool = False  # clear the output folder first and redo the stage
     dtype: str = "auto"
@@ -218,18 +231,26 @@ class EvalConfig:
             raise ConfigError(f"unknown evaluation {self.kind!r}", "use `tpkit eval reward` or `tpkit eval geneval`")
         if self.kind == "reward" and not self.rewards:
             raise ConfigError("no reward given", "pass --reward NAME[=WEIGHT], e.g. --reward pickscore")
-        for name in ("images_per_prompt", "steps", "batch_size", "grid_prompts"):
+        if self.resolution is None:
+            self.resolution = model_default(self.model, "resolution")
+        if self.max_sequence_length is None:
+            self.max_sequence_length = model_default(self.model, "text_length")
+        for name in ("images_per_prompt", "steps", "batch_size", "grid_prompts", "max_sequence_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be >= 1", f"set {name} to a positive value")
-        if self.resolution is None:
-            self.resolution = 64 if self.model == TINY_MODEL else 512
         if self.lora:
             self.lora = str(Path(self.lora).expanduser().resolve())
         self.rank, self.world_size = resolve_rank(self.rank, self.world_size)
         return self
 
 
-LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+# The release's LoRA targets: the eight projections of every block's joint attention. Qualified with
+# `attn.` so that on SD3.5-Medium they do not also match the second attention (`attn2`) of its 13
+# dual-attention (MMDiT-X) blocks: 191 adapted layers, as in the published runs, not 243.
+LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                "attn.add_v_proj", "attn.to_add_out")
+# Opt-in: the second (image-only) attention of SD3.5's dual-attention blocks.
+LORA_TARGETS_ATTN2 = ("attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
 
 
 @dataclass
@@ -249,12 +270,15 @@ class TrainConfig:
     clip_range: float = 1e-5
     adv_clip: float = 5.0
     beta: float = 1e-4  # KL weight; 0 skips the reference pass
+    kl: str = "release"  # release: mean((mu - mu_ref)^2) / (2 s^2) with the release's s; exact: the Gaussian KL
     optimizer_steps: int = 2  # per round; the transitions are split evenly among them
     micro_batch_size: int = 0  # 0: replay the rollout's own batches (first-step ratio exactly 1)
     max_grad_norm: float = 1.0
     mixed_precision: str = "no"
-    ema: bool = False
-    ema_decay: float = 0.95
+    drop_zero_advantage: bool = True  # leave trajectories whose advantage is 0 at every step out of the loss
+    ema: bool = False  # adapter/ holds the EMA weights, adapter-raw/ the trained ones
+    ema_decay: float = 0.9  # the release's, reached after a warm-up min((1 + g) / (10 + g), decay)
+    ema_every: int = 8  # update the EMA every N optimizer steps (the release's 8)
     gradient_checkpointing: bool = False
     max_bad_steps: int = 3  # stop after this many non-finite losses in a row
     checkpoint_every: int = 1  # save adapter + optimizer every N optimizer steps (0: only at the end)
@@ -266,17 +290,20 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         check_types(self)
         _choice("mixed_precision", self.mixed_precision, PRECISIONS)
-        for name in ("lora_rank", "lora_alpha", "learning_rate", "optimizer_steps", "max_grad_norm", "adv_clip",
+        _choice("kl", self.kl, KL_MODES)
+        for name in ("ema_every", "lora_rank", "lora_alpha", "learning_rate", "optimizer_steps", "max_grad_norm", "adv_clip",
                      "clip_range", "max_bad_steps"):
             _positive(name, getattr(self, name))
         _positive("beta", self.beta, allow_zero=True)
         _positive("micro_batch_size", self.micro_batch_size, allow_zero=True)
         _positive("checkpoint_every", self.checkpoint_every, allow_zero=True)
         if not 0 <= self.ema_decay < 1:
-            raise ConfigError(f"ema_decay = {self.ema_decay} is not in [0, 1)", "use e.g. 0.95")
-        unknown = set(self.lora_targets) - set(LORA_TARGETS)
+            raise ConfigError(f"ema_decay = {self.ema_decay} is not in [0, 1)", "use e.g. 0.9 (the release's)")
+        unknown = set(self.lora_targets) - set(LORA_TARGETS + LORA_TARGETS_ATTN2)
         if unknown:
-            raise ConfigError(f"unknown LoRA target(s) {', '.join(sorted(unknown))}", f"choose from {', '.join(LORA_TARGETS)}")
+            raise ConfigError(f"unknown LoRA target(s) {', '.join(sorted(unknown))}",
+                              f"choose from {', '.join(LORA_TARGETS + LORA_TARGETS_ATTN2)} (qualified names: "
+                              "`to_q` alone would also match SD3.5's second attention)")
         if self.init_lora:
             self.init_lora = str(Path(self.init_lora).expanduser().resolve())
         return self
@@ -461,6 +488,8 @@ def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None 
     sections["advantages"].method = method
     ev = sections["eval"]
     ev.model, ev.resolution = sections["rollout"].model, sections["rollout"].resolution
+    if "max_sequence_length" not in data.get("eval", {}):  # prompts encoded as in training
+        ev.max_sequence_length = sections["rollout"].max_sequence_length
     if ev.kind == "reward" and not ev.rewards:  # by default, evaluate what is trained
         ev.rewards, ev.reward_options = dict(weights), dict(options)
     if ev.prompts and not Path(ev.prompts).is_absolute():

@@ -26,13 +26,16 @@ class Step(NamedTuple):
     """One stochastic transition x -> x'.
 
     sample: x' [B, C, h, w]; mean: mu [B, C, h, w]; std: the standard deviation of x' around mu
-    ([B, 1, 1, 1], what the KL term divides by); log_prob: [B], averaged over non-batch elements.
+    ([B, 1, 1, 1]); log_prob: [B], averaged over non-batch elements; noise_scale: the release's
+    `std_dev_t` ([B, 1, 1, 1]): s = a sqrt(sigma / (1 - sigma)) for "sde" (std = s sqrt(-dt)),
+    s = std for "cps". The release's KL divides by it (see `kl_to_reference`).
     """
 
     sample: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
     log_prob: torch.Tensor
+    noise_scale: torch.Tensor
 
 
 def _per_sample(t: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
@@ -67,10 +70,20 @@ def flow_sde_mean_std(x, v, sigma, sigma_next, noise_level: float, sigma_1) -> t
     x, v = x.float(), v.float()
     sig, sig_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
     dt = sig_next - sig
-    denom_sigma = torch.where(sig == 1.0, _per_sample(sigma_1, x), sig)
-    s = noise_level * torch.sqrt(sig / (1.0 - denom_sigma))
+    s = flow_sde_noise_scale(sigma, noise_level, sigma_1, x)
     mean = x * (1.0 + s**2 / (2.0 * sig) * dt) + v * (1.0 + s**2 * (1.0 - sig) / (2.0 * sig)) * dt
     return mean, s * torch.sqrt(-dt)
+
+
+def flow_sde_noise_scale(sigma, noise_level: float, sigma_1, like: torch.Tensor) -> torch.Tensor:
+    """s = a * sqrt(sigma / (1 - sigma)) of the Flow-GRPO SDE, [B, 1, 1, 1] float32 (like: [B, ...]).
+
+    sigma = 1 is replaced by sigma_1 inside (1 - sigma) (otherwise s is infinite at the first step).
+    The transition's std is s * sqrt(-dt); the release calls s `std_dev_t`.
+    """
+    sig = _per_sample(sigma, like)
+    denom_sigma = torch.where(sig == 1.0, _per_sample(sigma_1, like), sig)
+    return noise_level * torch.sqrt(sig / (1.0 - denom_sigma))
 
 
 def flow_sde_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -121,17 +134,20 @@ def stochastic_step(
         raise ValueError("give exactly one of noise= or sample=")
     if sampler == "sde":
         mean, std = flow_sde_mean_std(x, v, sigma, sigma_next, noise_level, sigma_1)
+        noise_scale = flow_sde_noise_scale(sigma, noise_level, sigma_1, mean)
     elif sampler == "cps":
         mean, std = cps_mean_std(x, v, sigma, sigma_next, noise_level)
+        noise_scale = std
     else:
         raise ValueError(f"unknown sampler {sampler!r}")
     std = std.expand(mean.shape[0], *([1] * (mean.ndim - 1)))
+    noise_scale = noise_scale.expand(mean.shape[0], *([1] * (mean.ndim - 1)))
     if sample is None:
         sample = mean + std * noise.float()
     # log-prob of x' is computed on a detached sample: gradients flow through mu only.
     sample = sample.detach().float()
     log_prob = flow_sde_log_prob(sample, mean, std) if sampler == "sde" else cps_log_prob(sample, mean)
-    return Step(sample, mean, std, log_prob)
+    return Step(sample, mean, std, log_prob, noise_scale)
 
 
 def window_start(lo: int, hi: int, window_size: int, u: float) -> int:
@@ -276,9 +292,16 @@ def clipped_policy_loss(
 
 
 def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """KL between the policy's and the reference's Gaussian transitions of equal std, per sample [B].
+    """KL term between the policy's and the reference's transitions (equal std), per sample [B].
 
-    KL = mean((mu_theta - mu_ref)^2) / (2 std^2), std = the transition's std ([B, 1, 1, 1]).
+    KL = mean((mu_theta - mu_ref)^2) / (2 std^2); mu: [B, C, h, w], std: [B, 1, 1, 1].
+    Two conventions, chosen by which std is passed (`Step` has both):
+    - `step.noise_scale` (tpkit's default, `kl = "release"`): what the release divides by, so that
+      published KL weights mean the same. For "sde" that is s = a sqrt(sigma / (1 - sigma)), not
+      the transition's std s sqrt(-dt): the release's KL is (-dt) times the exact one (Flow-GRPO's
+      SD3 configs use beta 0.01-0.04 on this scale). For "cps" it is the transition's std.
+    - `step.std` (`kl = "exact"`): the exact KL of the two Gaussians N(mu, std^2 I), averaged over
+      elements.
     A deterministic transition (std 0) contributes 0 rather than inf/NaN.
     """
     var = std.reshape(-1).float() ** 2

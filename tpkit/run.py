@@ -72,7 +72,9 @@ def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | No
 
     rank, world = resolve_rank(None, None)
     d = stage_dirs(run_dir, r)
-    prev_adapter = stage_dirs(run_dir, r - 1)["train"] / train.ADAPTER if r > 0 else None
+    # The previous round's trained weights (its adapter-raw/ when EMA is on: adapter/ is then the EMA,
+    # which is evaluated, while sampling and training continue the policy itself, as in the release).
+    prev_adapter = train.policy_adapter(stage_dirs(run_dir, r - 1)["train"] / train.ADAPTER) if r > 0 else None
     seconds = {}
 
     def done(stage: str) -> bool:

@@ -210,7 +210,7 @@ class SD3:
 
     # ---- text ---------------------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, prompts: list[str], max_sequence_length: int = 256) -> dict[str, torch.Tensor]:
+    def encode(self, prompts: list[str], max_sequence_length: int = 128) -> dict[str, torch.Tensor]:
         """Prompt and empty-negative embeddings, in the transformer's dtype, batch = len(prompts)."""
         if self.pipe.text_encoder is None:
             raise ModelError("this stage loaded the model without text encoders", "internal: load with text_encoders=True")

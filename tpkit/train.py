@@ -9,6 +9,12 @@ step, in the same order), so on unchanged weights the recomputed log-probs equal
 bit for bit and the first ratio is exactly 1. The round's micro-batches are shuffled (seeded) and
 split evenly into `optimizer_steps` optimizer steps. Runs under `accelerate` (DDP with
 `accelerate launch`): each rank takes every world-th micro-batch of a step.
+
+As in the release, trajectories whose advantage is 0 at every step are left out of the loss (they
+carry no policy gradient; kept, they would only dilute the loss average and, with beta > 0, add KL).
+They stay in their micro-batches with weight 0, so the others are recomputed in the rollout's batch
+(bit for bit). With EMA on, adapter/ holds the EMA weights (what to evaluate and load) and
+adapter-raw/ the trained ones (what the next round samples with and continues from).
 """
 
 from __future__ import annotations
@@ -30,7 +36,15 @@ from tpkit.errors import InputError, TpkitError
 from tpkit.layout import EMBED_KEYS
 from tpkit.timing import Phases
 
-ADAPTER, ADAPTER_EMA, STATE, CHECKPOINT = "adapter", "adapter-ema", "state", "checkpoint"
+ADAPTER, ADAPTER_RAW, STATE, CHECKPOINT = "adapter", "adapter-raw", "state", "checkpoint"
+
+
+def policy_adapter(adapter: str | Path) -> Path:
+    """The weights a round trained (to sample with and continue from), given its adapter/ folder:
+    adapter-raw/ beside it when it was trained with EMA (adapter/ then holds the EMA), else itself."""
+    adapter = Path(adapter)
+    raw = adapter.parent / ADAPTER_RAW
+    return raw if adapter.name == ADAPTER and raw.is_dir() else adapter
 
 
 class TrainError(TpkitError):
@@ -48,7 +62,18 @@ class MicroBatch:
     sigma_next: torch.Tensor  # [B]
     old_log_prob: torch.Tensor  # [B]
     advantage: torch.Tensor  # [B]
+    weight: torch.Tensor  # [B] 1, or 0 for a trajectory left out of the loss (zero advantage at every step)
     prompt_ids: list[str]
+
+    @property
+    def samples(self) -> int:
+        """Transitions that count in the loss."""
+        return int(self.weight.sum())
+
+    def has_gradient(self, beta: float) -> bool:
+        """Whether the loss of this micro-batch depends on the weights (else it need not be computed)."""
+        counted = self.weight > 0
+        return bool(counted.any()) and (beta > 0 or bool((self.advantage[counted] != 0).any()))
 
 
 def read_advantages(folder: Path) -> dict[tuple[str, int], float]:
@@ -62,12 +87,18 @@ def read_advantages(folder: Path) -> dict[tuple[str, int], float]:
     return dict(zip(zip(table["trajectory_id"].to_pylist(), table["step"].to_pylist()), adv.tolist()))
 
 
-def load_micro_batches(rollout_dir: Path, adv: dict, cfg: TrainConfig, dropped: set[str] = frozenset()
-                       ) -> tuple[list[MicroBatch], dict, dict]:
+def zero_advantage_trajectories(adv: dict[tuple[str, int], float]) -> set[str]:
+    """Trajectories whose advantage is exactly 0 at every step (the release drops them before training)."""
+    nonzero = {tid for (tid, _), a in adv.items() if a != 0}
+    return {tid for tid, _ in adv} - nonzero
+
+
+def load_micro_batches(rollout_dir: Path, adv: dict, cfg: TrainConfig, dropped: set[str] = frozenset(),
+                       zero: set[str] = frozenset()) -> tuple[list[MicroBatch], dict, dict]:
     """All transitions of the rollout with their advantages, grouped as the rollout batched them.
 
     Trajectories that score dropped on purpose (`dropped`, from --on-nan drop) are left out; any
-    other trajectory without advantages is an error.
+    other trajectory without advantages is an error. Trajectories in `zero` get weight 0.
 
     Returns (micro-batches, prompt embeddings by prompt_id, rollout settings of the first trajectory).
     """
@@ -92,7 +123,8 @@ def load_micro_batches(rollout_dir: Path, adv: dict, cfg: TrainConfig, dropped: 
                                      "compute advantages from this rollout's scores (`tpkit score` then `tpkit advantages`)")
                 groups.setdefault((m["rollout_batch"], k), []).append(
                     (m["batch_slot"], tens["states"][k - 1], tens["states"][k], sig[a + k - 1], sig[a + k],
-                     tens["log_probs"][k - 1], adv[(m["trajectory_id"], k)], m["prompt_id"]))
+                     tens["log_probs"][k - 1], adv[(m["trajectory_id"], k)], m["prompt_id"],
+                     0.0 if m["trajectory_id"] in zero else 1.0))
     extra = {tid for tid, _ in adv} - seen
     if extra:
         raise InputError(f"advantages reference {len(extra)} trajectories the rollout does not have "
@@ -109,13 +141,19 @@ def load_micro_batches(rollout_dir: Path, adv: dict, cfg: TrainConfig, dropped: 
                 sigma=torch.tensor([r[3] for r in part], dtype=torch.float32),
                 sigma_next=torch.tensor([r[4] for r in part], dtype=torch.float32),
                 old_log_prob=torch.stack([r[5] for r in part]).float(),
-                advantage=torch.tensor([r[6] for r in part], dtype=torch.float64), prompt_ids=[r[7] for r in part]))
+                advantage=torch.tensor([r[6] for r in part], dtype=torch.float64),
+                weight=torch.tensor([r[8] for r in part], dtype=torch.float32), prompt_ids=[r[7] for r in part]))
     return out, embeds, meta0
 
 
 def plan_steps(batches: list[MicroBatch], cfg: TrainConfig, global_step: int) -> list[list[MicroBatch]]:
-    """Shuffle (seeded by the run seed and the global step) and split into optimizer steps."""
-    useful = [b for b in batches if cfg.beta > 0 or bool((b.advantage != 0).any())]  # A = 0, beta = 0: no gradient
+    """Shuffle (seeded by the run seed and the global step) and split into optimizer steps.
+
+    Micro-batches with nothing to learn from (every trajectory left out, or A = 0 with beta = 0) are
+    not computed; the loss of a step is its sum over the transitions that count, divided by their
+    number in the step (`MicroBatch.samples`, before that filter: as the release averages).
+    """
+    useful = [b for b in batches if b.samples > 0]
     order = np.random.default_rng([cfg.seed, global_step]).permutation(len(useful))
     steps = [list(part) for part in np.array_split(np.asarray(useful, dtype=object)[order], cfg.optimizer_steps)]
     return [s for s in steps if s]
@@ -146,8 +184,10 @@ def _run(cfg: TrainConfig) -> dict:
                          "pass the rollout folder that was scored for these advantages (same round)")
     with phases("read"):
         adv = read_advantages(Path(cfg.advantages))
+        zero = zero_advantage_trajectories(adv) if cfg.drop_zero_advantage else set()
         batches, embeds, meta = load_micro_batches(rollout_dir, adv, cfg,
-                                                   set(adv_manifest.get("dropped_trajectories", [])))
+                                                   set(adv_manifest.get("dropped_trajectories", [])), zero)
+    init_lora = str(policy_adapter(cfg.init_lora)) if cfg.init_lora else None  # not the EMA of an EMA run
     state_in = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
     trainer_state = json.loads((state_in / "trainer.json").read_text()) if state_in and (state_in / "trainer.json").is_file() else {}
     global_step = round_start = trainer_state.get("global_step", 0)
@@ -160,7 +200,7 @@ def _run(cfg: TrainConfig) -> dict:
         model = sd3.load(rollout["config"]["model"], str(accelerator.device), cfg.dtype, text_encoders=False, vae=False)
         torch.manual_seed(cfg.seed)  # the LoRA init must not depend on what ran before in this process
         lora_config = sd3.add_trainable_lora(model.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets,
-                                             cfg.init_lora)
+                                             init_lora)
     if cfg.gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
     params = [p for p in model.transformer.parameters() if p.requires_grad]
@@ -168,6 +208,9 @@ def _run(cfg: TrainConfig) -> dict:
                                   weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
     if state_in and (state_in / "optimizer.pt").is_file():
         optimizer.load_state_dict(torch.load(state_in / "optimizer.pt", map_location="cpu", weights_only=True))
+        for group in optimizer.param_groups:  # the moments continue; the settings are this config's, not the saved ones
+            group.update(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                         weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
     ema = _load_ema(state_in, model.transformer) if cfg.ema else None
     metrics, bad_in_row, steps_done = [], 0, 0
     if resume:  # a killed run of this stage: continue after its last finished optimizer step
@@ -181,19 +224,24 @@ def _run(cfg: TrainConfig) -> dict:
                     guidance=meta["guidance"])
 
     # 3. Optimizer steps: each accumulates its share of micro-batches, then clips and steps.
+    if not any(b.has_gradient(cfg.beta) for b in batches):
+        raise TrainError(f"nothing to learn from: every advantage is 0 ({len({tid for tid, _ in adv})} trajectories)",
+                         "check the rewards: a constant reward, or groups of one member, give no advantage "
+                         "(`tpkit inspect` the score and advantages folders)")
     steps = plan_steps(batches, cfg, round_start)
-    if accelerator.num_processes > 1 and min(len(s) for s in steps) < accelerator.num_processes:
-        raise TrainError(f"{min(len(s) for s in steps)} micro-batches in an optimizer step for "
+    computed = [[b for b in s if b.has_gradient(cfg.beta)] for s in steps]
+    if accelerator.num_processes > 1 and min(len(s) for s in computed) < accelerator.num_processes:
+        raise TrainError(f"{min(len(s) for s in computed)} micro-batches in an optimizer step for "
                          f"{accelerator.num_processes} processes", "use fewer --optimizer-steps or a larger rollout")
-    with track(sum(len(s) for s in steps), "train micro-batches") as advance:
-        advance(sum(len(s) for s in steps[:steps_done]))
+    with track(sum(len(s) for s in computed), "train micro-batches") as advance:
+        advance(sum(len(s) for s in computed[:steps_done]))
         for step_index, step_batches in enumerate(steps):
             if step_index < steps_done:
                 continue
             t0 = time.perf_counter()
-            n_samples = sum(len(b.prompt_ids) for b in step_batches)
-            mine = step_batches[accelerator.process_index:: accelerator.num_processes]
-            sums = torch.zeros(8, dtype=torch.float64, device=device)
+            n_samples = sum(b.samples for b in step_batches)
+            mine = computed[step_index][accelerator.process_index:: accelerator.num_processes]
+            sums = torch.zeros(9, dtype=torch.float64, device=device)
             for i, b in enumerate(mine):
                 sync = i == len(mine) - 1
                 ctx = accelerator.no_sync(transformer) if not sync else contextlib.nullcontext()
@@ -211,8 +259,8 @@ def _run(cfg: TrainConfig) -> dict:
                 if finite:
                     optimizer.step()
                     bad_in_row = 0
-                    if ema is not None:
-                        _update_ema(ema, model.transformer, cfg.ema_decay)
+                    if ema is not None and (global_step + 1) % cfg.ema_every == 0:
+                        _update_ema(ema, model.transformer, ema_decay(cfg.ema_decay, global_step + 1))
                 else:
                     bad_in_row += 1
                 optimizer.zero_grad(set_to_none=True)
@@ -235,19 +283,23 @@ def _run(cfg: TrainConfig) -> dict:
     if accelerator.is_main_process:
         with phases("save"):
             unwrapped = accelerator.unwrap_model(transformer)
-            sd3.save_lora(unwrapped, lora_config, out / ADAPTER)
-            if ema is not None:
-                sd3.save_lora(ema, lora_config, out / ADAPTER_EMA)
+            if ema is not None:  # users and evaluations load adapter/; the next round continues adapter-raw/
+                sd3.save_lora(unwrapped, lora_config, out / ADAPTER_RAW)
+                sd3.save_lora(ema, lora_config, out / ADAPTER)
+            else:
+                sd3.save_lora(unwrapped, lora_config, out / ADAPTER)
             _save_state(out / STATE, optimizer, ema, global_step)
             layout.atomic_write(out / layout.METRICS_FILE, "".join(json.dumps(m) + "\n" for m in metrics).encode())
-        transitions = sum(len(b.prompt_ids) for s in steps for b in s)
+        transitions = sum(len(b.prompt_ids) for s in computed for b in s)
         manifest = layout.write_manifest(
             out, "train", to_dict(cfg),
             inputs={"rollout": str(rollout_dir), "advantages": str(cfg.advantages), "init_lora": cfg.init_lora,
                     "model": rollout["config"]["model"]},
             # Model work of the whole stage, all processes (a CFG pair counts once): each transition is one
             # forward with gradients and its backward, plus one reference forward when beta > 0.
-            counts={"optimizer_steps": len(metrics), "micro_batches": sum(len(s) for s in steps),
+            counts={"optimizer_steps": len(metrics), "micro_batches": sum(len(s) for s in computed),
+                    "zero_advantage_trajectories": len(zero),
+                    "trajectories_in_loss": len({tid for tid, _ in adv} - zero),
                     "transitions": transitions, "transformer_calls": transitions,
                     "reference_calls": transitions if cfg.beta > 0 else 0, "global_step": global_step,
                     "processes": accelerator.num_processes,
@@ -262,7 +314,7 @@ def _run(cfg: TrainConfig) -> dict:
 
 def _micro_batch_loss(model, transformer, b: MicroBatch, embeds, settings, cfg: TrainConfig, accelerator,
                       phases: Phases):
-    """Sum over the micro-batch of the per-sample GRPO loss, and metric sums (float64 [8])."""
+    """Weighted sum over the micro-batch of the per-sample GRPO loss, and metric sums (float64 [9])."""
     device = accelerator.device
     with phases("forward"):
         emb = {k: torch.cat([embeds[p][k] for p in b.prompt_ids]) for k in EMBED_KEYS}
@@ -287,22 +339,27 @@ def _micro_batch_loss(model, transformer, b: MicroBatch, embeds, settings, cfg: 
                 base.enable_adapters()
             ref = formulas.stochastic_step(settings["sampler"], x, v_ref, sigma, sigma_next, settings["noise_level"],
                                            settings["sigma_1"], sample=x_next)
-            kl = formulas.kl_to_reference(step.mean, ref.mean, step.std)
-    loss = (policy + cfg.beta * kl).sum()
+            kl = formulas.kl_to_reference(step.mean, ref.mean, step.noise_scale if cfg.kl == "release" else step.std)
+    w = b.weight.to(device)
+    loss = (w * (policy + cfg.beta * kl)).sum()
     with torch.no_grad():
         d = (step.log_prob - old).double()
+        counted = w > 0
         stats = torch.stack([
-            loss.double().detach(), policy.sum().double(), kl.sum().double(), ratio.sum().double(),
-            ((ratio - 1).abs() > cfg.clip_range).sum().double(), (0.5 * d**2).sum(), ratio.min().double(),
-            ratio.max().double(),
+            loss.double().detach(), (w * policy).sum().double(), (w * kl).sum().double(), (w * ratio).sum().double(),
+            (w * ((ratio - 1).abs() > cfg.clip_range)).sum().double(), (w * 0.5 * d**2).sum().double(),
+            ratio[counted].min().double(), ratio[counted].max().double(), w.sum().double(),
         ])
     return loss, stats
 
 
 def _metrics_line(step: int, sums: torch.Tensor, n: int, grad_norm: float, cfg: TrainConfig, finite: bool, secs: float) -> dict:
+    """Loss terms averaged over the step's n counted transitions (what the gradient is of); ratio
+    statistics over those that were computed (c; all of them unless some had nothing to learn)."""
     s = sums.tolist()
-    return {"step": step, "loss": s[0] / n, "policy_loss": s[1] / n, "kl_loss": s[2] / n, "ratio_mean": s[3] / n,
-            "clipfrac": s[4] / n, "approx_kl": s[5] / n, "grad_norm": grad_norm, "lr": cfg.learning_rate,
+    c = max(s[8], 1.0)
+    return {"step": step, "loss": s[0] / n, "policy_loss": s[1] / n, "kl_loss": s[2] / n, "ratio_mean": s[3] / c,
+            "clipfrac": s[4] / c, "approx_kl": s[5] / c, "grad_norm": grad_norm, "lr": cfg.learning_rate,
             "samples": n, "finite": bool(finite), "seconds": round(secs, 3)}
 
 
@@ -315,6 +372,12 @@ def _load_ema(state_in: Path | None, transformer) -> dict:
     if path and path.is_file():
         return load_file(path)
     return {k: v.detach().float().clone() for k, v in sd3.lora_state(transformer).items()}
+
+
+def ema_decay(decay: float, step: int) -> float:
+    """The release's EMA decay after `step` optimizer steps (counted from 1): a warm-up
+    min((1 + step) / (10 + step), decay), so early updates follow the weights closely."""
+    return min((1 + step) / (10 + step), decay)
 
 
 @torch.no_grad()
