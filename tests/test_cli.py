@@ -235,3 +235,32 @@ def test_cps_window_reaching_the_last_step_is_refused():
     with pytest.raises(ConfigError, match="last step"):
         RolloutConfig(prompts="x.txt", steps=6, window_size=5, window_range=(0, 6)).validate()
     RolloutConfig(prompts="x.txt", steps=6, window_size=5, window_range=(0, 6), sampler="sde").validate()  # SDE noise > 0 there
+
+
+def test_threads_flag_anywhere_and_its_errors(monkeypatch):
+    from tpkit import cli
+
+    monkeypatch.delenv("TPKIT_THREADS", raising=False)
+    assert cli._take_threads(["run", "--threads", "1", "r.toml"]) == ["run", "r.toml"]
+    assert os.environ["TPKIT_THREADS"] == "1"
+    assert cli._take_threads(["--threads=3", "rollout"]) == ["rollout"] and os.environ["TPKIT_THREADS"] == "3"
+    r = tpkit("--threads", "0", "rewards")
+    assert r.returncode == 2 and "--threads" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cpu_threads_are_shared_among_local_processes(monkeypatch):
+    """Each process takes its share of the cores: two side by side on 2 cores run 1 thread each."""
+    import torch
+
+    from tpkit import sd3
+
+    before = torch.get_num_threads()
+    try:
+        cores = len(os.sched_getaffinity(0))
+        monkeypatch.delenv("TPKIT_THREADS", raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert sd3.set_cpu_threads() == max(cores // 2, 1) == torch.get_num_threads()
+        monkeypatch.setenv("TPKIT_THREADS", "1")
+        assert sd3.set_cpu_threads() == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

@@ -21,7 +21,7 @@ app = typer.Typer(
     name="tpkit", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     help="TP-GRPO and Flow-GRPO for flow-matching text-to-image models, as a staged offline pipeline.\n\n"
          "rollout -> score -> advantages -> train, or `tpkit run RECIPE.toml` for rounds of all four. "
-         "Add --debug anywhere for tracebacks.",
+         "Add --debug anywhere for tracebacks, --threads N to cap this process's CPU threads.",
 )
 
 _RANK = typer.Option(None, help="This process's rank (default: $RANK or 0).")
@@ -358,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
+    argv = _take_threads(argv)
     import click
 
     try:
@@ -382,6 +383,27 @@ def main(argv: list[str] | None = None) -> None:
             raise
         _error(f"{type(e).__name__}: {e}".splitlines()[0][:300] + "\n  (rerun with --debug for the traceback)")
         sys.exit(1)
+
+
+def _take_threads(argv: list[str]) -> list[str]:
+    """`--threads N` anywhere on the command line: CPU threads of this process (TPKIT_THREADS), e.g.
+    1 each for two runs side by side on 2 cores. Default: the cores divided by the local processes."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--threads" or a.startswith("--threads="):
+            value = a.partition("=")[2] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in a else 2
+            if not value.isdigit() or int(value) < 1:
+                _error(f"--threads {value!r} is not a positive integer\n  fix: e.g. --threads 1 for each of two runs on 2 cores")
+                sys.exit(2)
+            import os
+
+            os.environ["TPKIT_THREADS"] = value
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 def _error(text: str) -> None:

@@ -164,6 +164,25 @@ def tune_cpu_allocator() -> bool:
 _ALLOCATOR_TUNED: bool | None = None
 
 
+def set_cpu_threads() -> int:
+    """Give this process its share of the cores for CPU work; returns torch's intra-op thread count.
+
+    TPKIT_THREADS (`tpkit --threads N`) if set; else the cores this process may use divided by the
+    processes started beside it (LOCAL_WORLD_SIZE under `accelerate launch` / torchrun). torch's
+    default, one thread per core in every process, oversubscribes the cores as soon as two run at
+    once (measured on 2 cores: 4-11x slower rounds instead of 2x; bench/speed.py (h))."""
+    want = os.environ.get("TPKIT_THREADS")
+    if want:
+        threads = int(want)
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
+    threads = max(threads, 1)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return threads
+
+
 def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         if not torch.cuda.is_available():
@@ -300,6 +319,7 @@ def load(model: str, device: str = "auto", dtype: str = "auto", text_encoders: b
     dt = pick_dtype(dtype, dev)
     if dev.type == "cpu":
         tune_cpu_allocator()
+        set_cpu_threads()
     path = resolve_model(model)
     skip = {} if text_encoders else {k: None for k in (
         "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")}
