@@ -561,3 +561,19 @@ def test_random_final_only_flow_grpo_matches_reference(rows, std):
     with tempfile.TemporaryDirectory() as d:
         table = check_against_reference(Path(d), final, "flow-grpo", "all", std)
         assert all(r["step_reward"] is None and r["aggregated_reward"] is None for r in table.to_pylist())
+
+
+def test_summary_counts_zero_step_rewards_and_mean_abs_step_reward(tmp_path):
+    """The diagnostics of why the sign tests fire or not, per step (hand-worked, K = 3)."""
+    spec = {"p": {"a": [0.0, 0.0, 1.0, 1.0], "b": [0.0, 0.5, 0.5, 0.0]}}
+    # d_1 = (0, 0.5), d_2 = (1, 0), d_3 = (0, -0.5)
+    write(tmp_path / "s.parquet", score_table(trajectories(spec)))
+    m = advantages.run(AdvantagesConfig(scores=str(tmp_path / "s.parquet"), out=str(tmp_path / "adv")))
+    per_step = m["summary"]["per_step"]
+    assert [s["zero_step_rewards"] for s in per_step] == [0.5, 0.5, 0.5]
+    assert [s["mean_abs_step_reward"] for s in per_step] == [0.25, 0.5, 0.25]
+    # Flow-GRPO from R_K alone: no step rewards, so no diagnostics (None, not 0)
+    only_final = [r for r in trajectories(spec) if r[2] == 3]
+    write(tmp_path / "f.parquet", score_table(only_final))
+    m = advantages.run(AdvantagesConfig(scores=str(tmp_path / "f.parquet"), out=str(tmp_path / "adv-f"), method="flow-grpo"))
+    assert all(s["zero_step_rewards"] is None and s["mean_abs_step_reward"] is None for s in m["summary"]["per_step"])

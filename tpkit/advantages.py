@@ -159,14 +159,19 @@ def to_table(m: RewardMatrix, a: Advantages, method: str):
 
 
 def summary(m: RewardMatrix, a: Advantages) -> dict:
-    """Turning-point rate per step, positive vs negative, kept after balancing."""
+    """Turning-point rate per step, positive vs negative, kept after balancing; and what drives the
+    sign tests: the share of zero step rewards d_k = 0 (which kill them: discrete rewards) and the
+    mean |d_k| (both None where only R_K was scored)."""
     per_step = []
     for k in range(m.K):
-        cand = a.candidate[:, k]
+        cand, d = a.candidate[:, k], a.d[:, k]
+        known = np.isfinite(d)
         per_step.append({
             "step": k + 1, "candidates": int(cand.sum()), "rate": float(cand.mean()),
             "positive": int((cand & (a.agg[:, k] > 0)).sum()), "negative": int((cand & (a.agg[:, k] < 0)).sum()),
             "kept": int(a.tp[:, k].sum()),
+            "zero_step_rewards": float((d[known] == 0).mean()) if known.any() else None,
+            "mean_abs_step_reward": float(np.abs(d[known]).mean()) if known.any() else None,
         })
     return {
         "trajectories": int(m.R.shape[0]), "prompts": int(len(np.unique(m.prompt_ids))), "K": m.K,
