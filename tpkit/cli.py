@@ -338,6 +338,21 @@ def rewards() -> None:
     console.print(t)
 
 
+@app.command("pretrain-shapes")
+def pretrain_shapes(
+    out: Path = typer.Option(..., "--out", help="Run folder: state.pt, data/, snapshots/, pipeline/ (the model)."),
+    max_minutes: Optional[float] = typer.Option(None, help="Stop (checkpointed) after this many minutes; rerun to continue."),
+    flow_steps: Optional[int] = typer.Option(None, help="Transformer steps (default: the recipe's)."),
+) -> None:
+    """Pretrain the `tiny-shapes` model from scratch (fixed seed; resumable: rerun the same command)."""
+    from tpkit import shapes_model
+
+    recipe = shapes_model.Recipe()
+    if flow_steps is not None:
+        recipe.flow_steps = flow_steps
+    shapes_model.train(out, recipe, max_minutes=max_minutes)
+
+
 def _finished(manifest: dict | None, out: Path, show) -> None:
     from tpkit.ui import console
 

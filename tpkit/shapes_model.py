@@ -1,0 +1,562 @@
+"""`tiny-shapes`: a laptop-sized SD3 pretrained with flow matching on `tpkit.shapes` scenes.
+
+The model is an ordinary diffusers `StableDiffusion3Pipeline`, saved with `save_pretrained` inside
+the package (`tpkit/models/tiny-shapes/`) and loaded by `tpkit.sd3.load("tiny-shapes")` through
+`from_pretrained` like any other model:
+
+* VAE (`AutoencoderKL`): 64 px RGB -> 4 x 16 x 16 latents (downsamples 4x: small shapes keep their
+  corners; 8x would leave a 10 px triangle one latent pixel).
+* Transformer (`SD3Transformer2DModel`): MMDiT with RMS q/k norm, patch 2 -> 64 image tokens.
+* Text: two tiny CLIP text encoders with projection and a tiny T5 encoder, all over one
+  word-level `CLIPTokenizer` of the closed caption vocabulary (every word of every `tpkit.shapes`
+  prompt is one token; the longest prompt is 10 words + 2 specials). CLIP pads to `CLIP_LENGTH`,
+  T5 to the pipeline's `max_sequence_length`: sample with `max_sequence_length=TEXT_LENGTH`, the
+  length it was trained with.
+
+Training (`tpkit pretrain-shapes --out DIR`, fixed seed, resumable: rerun the same command):
+
+1. `vae`: the autoencoder alone on rendered scenes (L1 + a small KL), then frozen; its latent
+   mean/std over fresh scenes become `shift_factor` / `scaling_factor`.
+2. `data`: scenes for prompts of the *train* split (test prompts are never seen) are rendered and
+   encoded once into latent chunks on disk.
+3. `flow`: transformer and both text encoders jointly, SD3's rectified-flow objective:
+   x_t = (1 - sigma) x0 + sigma noise, target v = noise - x0, transformer timestep = 1000 sigma,
+   sigma logit-normal and shifted by the sampling scheduler's shift (plus a share drawn uniformly
+   so the low-noise end is learned too); captions dropped to "" 10 % of the time so CFG with the
+   empty negative prompt works. An EMA of the weights is what gets saved.
+
+State is checkpointed every few minutes (`state.pt`) and at every phase change; snapshots of the
+EMA pipeline are kept every `snapshot_every` flow steps under `DIR/snapshots/`, the final one in
+`DIR/pipeline/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+NAME = "tiny-shapes"
+RESOLUTION = 64  # pixels
+TEXT_LENGTH = 12  # T5 tokens = the max_sequence_length to sample with (the longest prompt: 10 words + 2 specials)
+CLIP_LENGTH = 12  # CLIP tokens (the tokenizer's model_max_length)
+SHIFT = 3.0  # FlowMatchEulerDiscreteScheduler shift (SD3's), used for sampling and training sigmas
+SEED = 0
+SPECIALS = ("<|startoftext|>", "<|endoftext|>")  # ids 0 and 1 (CLIP pools at the first eos)
+
+
+def weights_dir() -> Path:
+    """The committed pipeline folder inside the installed package."""
+    return Path(__file__).resolve().parent / "models" / NAME
+
+
+@dataclass
+class Arch:
+    vae_channels: tuple[int, ...] = (16, 32, 32)  # 3 levels: downsample 4x
+    latent_channels: int = 4
+    vae_groups: int = 8
+    layers: int = 6
+    heads: int = 4
+    head_dim: int = 32
+    clip_hidden: int = 64
+    clip_layers: int = 2
+    clip_heads: int = 2
+    t5_layers: int = 2
+
+
+@dataclass
+class Recipe:
+    seed: int = SEED
+    vae_steps: int = 800
+    vae_batch: int = 32
+    vae_lr: float = 1e-3
+    vae_kl: float = 1e-6
+    vae_crop: int = 32  # train on random crops (fully convolutional): 4x cheaper than 64 px
+    data_scenes: int = 24576
+    data_chunk: int = 2048
+    flow_steps: int = 2000
+    flow_batch: int = 64
+    flow_lr: float = 5e-4
+    warmup: int = 100
+    uniform_share: float = 0.25  # share of sigmas drawn uniformly instead of shifted logit-normal
+    caption_dropout: float = 0.1
+    ema: float = 0.995
+    grad_clip: float = 1.0
+    snapshot_every: int = 250  # flow steps; 0: none
+    checkpoint_minutes: float = 3.0
+    arch: Arch = field(default_factory=Arch)
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+def caption_words() -> list[str]:
+    """Every word of every shapes prompt (both splits: the closed vocabulary), plus "an"."""
+    from tpkit import shapes
+
+    words = {"an"}
+    for tag in shapes.TAGS:
+        for m in shapes.split_prompts(tag):
+            words.update(m["prompt"].lower().split())
+    return sorted(words)
+
+
+def word_tokenizer(words: list[str], max_length: int = CLIP_LENGTH):
+    """A `CLIPTokenizer` in which every word is one token ("word</w>").
+
+    BPE merges build each word from its first character left to right (the intermediate prefixes
+    are in the vocabulary too); a word that another word's merges would split is moved to the
+    front of the merge list until every word comes out whole. Other text falls back to characters
+    and, outside the caption alphabet, to the unknown token (= end of text, CLIP's default)."""
+    from transformers import CLIPTokenizer
+
+    words = sorted({w.lower() for w in words})
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for c in sorted({c for w in words for c in w}):
+        vocab.setdefault(c, len(vocab))
+        vocab.setdefault(c + "</w>", len(vocab))
+
+    def merges_of(w: str) -> list[tuple[str, str]]:
+        sym = list(w[:-1]) + [w[-1] + "</w>"]
+        out, cur = [], sym[0]
+        for s in sym[1:]:
+            out.append((cur, s))
+            cur += s
+        return out
+
+    order, bad = list(words), []
+    for _ in range(len(words) + 1):
+        merges, seen, v = [], set(), dict(vocab)
+        for w in order:
+            for m in merges_of(w):
+                if m not in seen:
+                    seen.add(m)
+                    merges.append(m)
+                    v.setdefault(m[0] + m[1], len(v))
+        tok = CLIPTokenizer(vocab=v, merges=merges, model_max_length=max_length)
+        bad = [w for w in words if len(tok(w, add_special_tokens=False).input_ids) != 1]
+        if not bad:
+            return tok
+        order = bad + [w for w in order if w not in bad]
+    raise RuntimeError(f"could not make a word-level tokenizer for {bad}")
+
+
+def build_pipeline(arch: Arch | None = None, seed: int = SEED, words: list[str] | None = None):
+    """A randomly initialised tiny-shapes `StableDiffusion3Pipeline` (deterministic from `seed`)."""
+    from tpkit.sd3 import _quiet_libraries
+
+    _quiet_libraries()
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    arch = arch or Arch()
+    tok = word_tokenizer(words or caption_words())
+    f = 2 ** (len(arch.vae_channels) - 1)
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=RESOLUTION // f, patch_size=2, in_channels=arch.latent_channels, out_channels=arch.latent_channels,
+        num_layers=arch.layers, attention_head_dim=arch.head_dim, num_attention_heads=arch.heads,
+        joint_attention_dim=2 * arch.clip_hidden, caption_projection_dim=arch.heads * arch.head_dim,
+        pooled_projection_dim=2 * arch.clip_hidden, pos_embed_max_size=2 * RESOLUTION // f // 2, qk_norm="rms_norm",
+    )
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=arch.latent_channels, sample_size=RESOLUTION,
+        down_block_types=("DownEncoderBlock2D",) * len(arch.vae_channels),
+        up_block_types=("UpDecoderBlock2D",) * len(arch.vae_channels), block_out_channels=tuple(arch.vae_channels),
+        layers_per_block=1, norm_num_groups=arch.vae_groups, use_quant_conv=False, use_post_quant_conv=False,
+        scaling_factor=1.0, shift_factor=0.0,
+    )
+    clip = dict(vocab_size=len(tok), hidden_size=arch.clip_hidden, intermediate_size=2 * arch.clip_hidden,
+                num_hidden_layers=arch.clip_layers, num_attention_heads=arch.clip_heads, projection_dim=arch.clip_hidden,
+                max_position_embeddings=CLIP_LENGTH, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed + 2)
+    te1 = CLIPTextModelWithProjection(CLIPTextConfig(**clip))
+    torch.manual_seed(seed + 3)
+    te2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip))
+    torch.manual_seed(seed + 4)
+    te3 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=2 * arch.clip_hidden, d_ff=4 * arch.clip_hidden,
+                                  d_kv=arch.clip_hidden // arch.clip_heads, num_layers=arch.t5_layers,
+                                  num_heads=arch.clip_heads, decoder_start_token_id=tok.bos_token_id,
+                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, dropout_rate=0.0))
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT), vae=vae,
+        text_encoder=te1, tokenizer=tok, text_encoder_2=te2, tokenizer_2=tok, text_encoder_3=te3, tokenizer_3=tok,
+    )
+
+
+def n_params(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+
+def _images(scenes) -> torch.Tensor:
+    """Rendered scenes -> float [B, 3, H, W] in [-1, 1]."""
+    from tpkit import shapes
+
+    arr = np.stack([shapes.render(s, RESOLUTION) for s in scenes])
+    return torch.from_numpy(arr).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+
+def random_scenes(rng: np.random.Generator, n: int, split: str | None = "train") -> list:
+    from tpkit import shapes
+
+    return [shapes.sample_scene(rng, size=RESOLUTION, split=split) for _ in range(n)]
+
+
+def sample_sigmas(gen: torch.Generator, n: int, uniform_share: float) -> torch.Tensor:
+    """SD3's logit-normal(0, 1) sigmas, shifted like the sampling schedule (s' = k s / (1 + (k - 1) s)),
+    a `uniform_share` of them uniform in (0, 1) instead."""
+    u = torch.sigmoid(torch.randn(n, generator=gen))
+    u = SHIFT * u / (1 + (SHIFT - 1) * u)
+    uni = torch.rand(n, generator=gen)
+    pick = torch.rand(n, generator=gen) < uniform_share
+    return torch.where(pick, uni, u).clamp(1e-4, 1.0)
+
+
+def flow_loss(pipe, latents: torch.Tensor, captions: list[str], gen: torch.Generator, uniform_share: float,
+              text_length: int = TEXT_LENGTH) -> torch.Tensor:
+    """SD3's rectified-flow loss on normalised latents, text through the pipeline's own encode_prompt."""
+    sigma = sample_sigmas(gen, len(latents), uniform_share)
+    noise = torch.randn(latents.shape, generator=gen)
+    s = sigma.view(-1, 1, 1, 1)
+    x_t = (1 - s) * latents + s * noise
+    pe, _, pooled, _ = pipe.encode_prompt(prompt=captions, prompt_2=None, prompt_3=None, device=latents.device,
+                                          num_images_per_prompt=1, do_classifier_free_guidance=False,
+                                          max_sequence_length=text_length)
+    v = pipe.transformer(hidden_states=x_t, timestep=sigma * 1000.0, encoder_hidden_states=pe,
+                         pooled_projections=pooled, return_dict=False)[0]
+    return (v.float() - (noise - latents)).pow(2).mean()
+
+
+def vae_loss(vae, images: torch.Tensor, kl: float, gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    post = vae.encode(images).latent_dist
+    rec = vae.decode(post.sample(generator=gen)).sample
+    l1 = (rec - images).abs().mean()
+    return l1 + kl * post.kl().mean(), l1
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_pipeline(pipe, folder: Path) -> None:
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        pipe.save_pretrained(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class ThreadTuner:
+    """Every `every` steps, time `probe` steps on 1 thread and `probe` on all, then keep the faster.
+
+    On a CPU shared with other jobs, oversubscribed OpenMP threads spin and a step can take several
+    times longer on 2 threads than on 1; on an idle machine 2 are faster."""
+
+    def __init__(self, every: int = 100, probe: int = 3):
+        self.max, self.every, self.probe, self.i, self.times = torch.get_num_threads(), every, probe, 0, {}
+
+    def _probing(self) -> int:
+        k = self.i % self.every
+        return 0 if self.max < 2 or k >= 2 * self.probe else (1 if k < self.probe else self.max)
+
+    def __enter__(self):
+        if n := self._probing():
+            torch.set_num_threads(n)
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if n := self._probing():
+            self.times.setdefault(n, []).append(time.perf_counter() - self.t0)
+            if self.i % self.every == 2 * self.probe - 1:
+                torch.set_num_threads(min(self.times, key=lambda k: float(np.median(self.times[k]))))
+                self.times = {}
+        self.i += 1
+
+
+class _Trainer:
+    """All training state; `state()` / `load()` are what `state.pt` holds."""
+
+    FLOW_MODULES = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+    def __init__(self, out: Path, recipe: Recipe):
+        self.out, self.r = Path(out), recipe
+        self.pipe = build_pipeline(recipe.arch, recipe.seed)
+        self.phase, self.step, self.seconds = "vae", 0, 0.0
+        self.rng = np.random.default_rng(recipe.seed)
+        self.gen = torch.Generator().manual_seed(recipe.seed)
+        self.vae_opt = torch.optim.AdamW(self.pipe.vae.parameters(), lr=recipe.vae_lr, weight_decay=0.0)
+        params = [p for m in self.FLOW_MODULES for p in getattr(self.pipe, m).parameters()]
+        self.flow_opt = torch.optim.AdamW(params, lr=recipe.flow_lr, betas=(0.9, 0.99), weight_decay=0.01)
+        self.ema = {m: {k: v.detach().clone() for k, v in getattr(self.pipe, m).state_dict().items()}
+                    for m in self.FLOW_MODULES}
+        self.losses: list[tuple[str, int, float]] = []
+
+    # ---- state ---------------------------------------------------------------------------
+    def state(self) -> dict:
+        return dict(recipe=asdict(self.r), phase=self.phase, step=self.step, seconds=self.seconds,
+                    rng=self.rng.bit_generator.state, gen=self.gen.get_state(),
+                    models={m: getattr(self.pipe, m).state_dict() for m in ("vae",) + self.FLOW_MODULES},
+                    vae_config=dict(scaling_factor=self.pipe.vae.config.scaling_factor,
+                                    shift_factor=self.pipe.vae.config.shift_factor),
+                    vae_opt=self.vae_opt.state_dict(), flow_opt=self.flow_opt.state_dict(), ema=self.ema,
+                    losses=self.losses)
+
+    def load(self, st: dict) -> None:
+        self.phase, self.step, self.seconds = st["phase"], st["step"], st["seconds"]
+        self.rng.bit_generator.state = st["rng"]
+        self.gen.set_state(st["gen"])
+        for m, sd in st["models"].items():
+            getattr(self.pipe, m).load_state_dict(sd)
+        self.pipe.vae.register_to_config(**st["vae_config"])
+        self.vae_opt.load_state_dict(st["vae_opt"])
+        self.flow_opt.load_state_dict(st["flow_opt"])
+        self.ema = st["ema"]
+        self.losses = st["losses"]
+
+    def checkpoint(self) -> None:
+        _atomic_save(self.state(), self.out / "state.pt")
+
+    # ---- phases --------------------------------------------------------------------------
+    def vae_step(self) -> float:
+        vae = self.pipe.vae
+        vae.train()
+        images = _images(random_scenes(self.rng, self.r.vae_batch, split=None))
+        c = self.r.vae_crop
+        if c < RESOLUTION:
+            xy = self.rng.integers(0, (RESOLUTION - c) // 4 + 1, size=(len(images), 2)) * 4
+            images = torch.stack([im[:, y: y + c, x: x + c] for im, (x, y) in zip(images, xy)])
+        loss, l1 = vae_loss(vae, images, self.r.vae_kl, self.gen)
+        self.vae_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), self.r.grad_clip)
+        self.vae_opt.step()
+        return float(l1.detach())
+
+    @torch.no_grad()
+    def finish_vae(self) -> None:
+        """Freeze the VAE; latent mean/std over 512 fresh scenes -> shift_factor / scaling_factor."""
+        vae = self.pipe.vae.eval()
+        rng = np.random.default_rng([self.r.seed, 1])
+        z = torch.cat([vae.encode(_images(random_scenes(rng, 128, split=None))).latent_dist.mean for _ in range(4)])
+        vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1.0 / z.std()))
+
+    def chunk_path(self, i: int) -> Path:
+        return self.out / "data" / f"chunk-{i:03d}.pt"
+
+    @torch.no_grad()
+    def make_chunk(self, i: int) -> None:
+        """Scenes for train-split prompts (task uniform, prompt uniform within it) -> normalised latents."""
+        rng = np.random.default_rng([self.r.seed, 2, i])
+        scenes = random_scenes(rng, self.r.data_chunk, split="train")
+        vae, cfg = self.pipe.vae.eval(), self.pipe.vae.config
+        lat = torch.cat([vae.encode(_images(scenes[j: j + 256])).latent_dist.mean
+                         for j in range(0, len(scenes), 256)])
+        lat = (lat - cfg.shift_factor) * cfg.scaling_factor
+        self.chunk_path(i).parent.mkdir(parents=True, exist_ok=True)
+        _atomic_save(dict(latents=lat.half(), captions=[s.prompt for s in scenes]), self.chunk_path(i))
+
+    def load_data(self) -> None:
+        n = math.ceil(self.r.data_scenes / self.r.data_chunk)
+        chunks = [torch.load(self.chunk_path(i)) for i in range(n)]
+        self.latents = torch.cat([c["latents"] for c in chunks]).float()
+        self.captions = [c for ch in chunks for c in ch["captions"]]
+
+    def flow_step(self) -> float:
+        r = self.r
+        for m in self.FLOW_MODULES:
+            getattr(self.pipe, m).train()
+        idx = self.rng.integers(len(self.latents), size=r.flow_batch)
+        drop = self.rng.random(r.flow_batch) < r.caption_dropout
+        captions = ["" if d else self.captions[i] for i, d in zip(idx, drop)]
+        lr = r.flow_lr * min(1.0, (self.step + 1) / max(1, r.warmup))
+        for g in self.flow_opt.param_groups:
+            g["lr"] = lr
+        loss = flow_loss(self.pipe, self.latents[torch.from_numpy(idx)], captions, self.gen, r.uniform_share)
+        self.flow_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        params = [p for g in self.flow_opt.param_groups for p in g["params"]]
+        torch.nn.utils.clip_grad_norm_(params, r.grad_clip)
+        self.flow_opt.step()
+        decay = min(r.ema, (1 + self.step) / (10 + self.step))
+        with torch.no_grad():
+            for m in self.FLOW_MODULES:
+                for k, v in getattr(self.pipe, m).state_dict().items():
+                    e = self.ema[m][k]
+                    if v.dtype.is_floating_point:
+                        e.lerp_(v, 1 - decay)
+                    else:
+                        e.copy_(v)
+        return float(loss.detach())
+
+    def ema_pipeline(self):
+        """A copy of the pipeline with the EMA weights (the training weights stay as they are)."""
+        import copy
+
+        pipe = copy.deepcopy(self.pipe)
+        for m in self.FLOW_MODULES:
+            getattr(pipe, m).load_state_dict(self.ema[m])
+            getattr(pipe, m).eval()
+        pipe.vae.eval()
+        return pipe
+
+
+def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = None, progress: bool = True,
+          tune_threads: bool = True) -> Path | None:
+    """Run (or continue) pretraining into `out`; returns `out/pipeline` once finished, None when
+    `max_minutes` of this call ran out first (rerun to continue). tune_threads: let `ThreadTuner` pick
+    1 or all threads (faster on a shared CPU; floating-point results then depend on its picks)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from tpkit.ui import console
+
+    r = recipe or Recipe()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(r.seed)
+    tr = _Trainer(out, r)
+    if (out / "state.pt").is_file():
+        st = torch.load(out / "state.pt", weights_only=False)
+        if st["recipe"] != asdict(r):
+            from tpkit.errors import ConfigError
+
+            raise ConfigError(f"{out} holds a run with another recipe", "use a fresh --out folder")
+        tr.load(st)
+        console.print(f"resuming {out}: phase {tr.phase}, step {tr.step}, {tr.seconds / 60:.1f} min so far")
+    n_chunks = math.ceil(r.data_scenes / r.data_chunk)
+    threads = ThreadTuner() if tune_threads else contextlib.nullcontext()
+    start = last_ckpt = time.monotonic()
+    seconds0 = tr.seconds
+
+    def tick() -> bool:
+        """Account time; checkpoint every few minutes; False when this call's budget is spent."""
+        nonlocal last_ckpt
+        now = time.monotonic()
+        tr.seconds = seconds0 + now - start
+        if now - last_ckpt > r.checkpoint_minutes * 60:
+            tr.checkpoint()
+            last_ckpt = now
+        return max_minutes is None or now - start < max_minutes * 60
+
+    def log(text: str) -> None:  # a line now and then when the progress bar cannot be drawn (nohup ... > log)
+        if progress and not console.is_terminal and tr.step % 50 == 0:
+            console.print(f"{text} ({torch.get_num_threads()} threads, {tr.seconds / 60:.1f} min)", highlight=False)
+
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+    with Progress(*columns, console=console, disable=not progress) as bar:
+        if tr.phase == "vae":
+            task = bar.add_task("vae", total=r.vae_steps, completed=tr.step, info="")
+            ema_loss = None
+            while tr.step < r.vae_steps:
+                with threads:
+                    l1 = tr.vae_step()
+                tr.step += 1
+                ema_loss = l1 if ema_loss is None else 0.98 * ema_loss + 0.02 * l1
+                if tr.step % 10 == 0:
+                    tr.losses.append(("vae", tr.step, ema_loss))
+                bar.update(task, advance=1, info=f"L1 {ema_loss:.4f} ({torch.get_num_threads()} thr)")
+                log(f"vae {tr.step}/{r.vae_steps} L1 {ema_loss:.4f}")
+                if not tick():
+                    tr.checkpoint()
+                    return None
+            tr.finish_vae()
+            tr.phase, tr.step = "data", 0
+            tr.checkpoint()
+        if tr.phase == "data":
+            task = bar.add_task("data", total=n_chunks, info="")
+            for i in range(n_chunks):
+                bar.update(task, advance=1)
+                if tr.chunk_path(i).is_file():
+                    continue
+                tr.make_chunk(i)
+                if not tick():
+                    return None
+            tr.phase, tr.step = "flow", 0
+            tr.checkpoint()
+        tr.load_data()
+        task = bar.add_task("flow", total=r.flow_steps, completed=tr.step, info="")
+        ema_loss = None
+        while tr.step < r.flow_steps:
+            with threads:
+                loss = tr.flow_step()
+            tr.step += 1
+            ema_loss = loss if ema_loss is None else 0.98 * ema_loss + 0.02 * loss
+            if tr.step % 10 == 0:
+                tr.losses.append(("flow", tr.step, ema_loss))
+            bar.update(task, advance=1, info=f"loss {ema_loss:.4f} ({torch.get_num_threads()} thr)")
+            log(f"flow {tr.step}/{r.flow_steps} loss {ema_loss:.4f}")
+            if r.snapshot_every and tr.step % r.snapshot_every == 0 and tr.step < r.flow_steps:
+                save_pipeline(tr.ema_pipeline(), out / "snapshots" / f"step-{tr.step:05d}")
+            if not tick():
+                tr.checkpoint()
+                return None
+    tr.phase = "done"
+    tr.checkpoint()
+    save_pipeline(tr.ema_pipeline(), out / "pipeline")
+    console.print(f"[green]done[/]: {out / 'pipeline'} after {tr.seconds / 60:.1f} min")
+    return out / "pipeline"
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------
+
+
+def accuracy(model: str, metadata: list[dict], images_per_prompt: int = 4, steps: int = 40, guidance: float = 4.5,
+             seed: int = 0, batch_size: int = 32, text_length: int = TEXT_LENGTH) -> dict:
+    """GenEval accuracy with the shapes detector, sampled like `tpkit eval geneval` (ODE, CFG, one seed
+    per image): {"overall": unweighted mean over tasks, task: accuracy, ...}. For choosing a checkpoint
+    on train-split prompts while pretraining; the held-out number comes from `tpkit eval geneval`."""
+    from PIL import Image
+
+    from tpkit import formulas, geneval, sd3
+
+    m = sd3.load(model, device="cpu")
+    detector, colours = geneval.load_models("shapes")
+    sigmas = m.sigmas(steps)
+    jobs = [(meta, j) for meta in metadata for j in range(images_per_prompt)]
+    right: dict[str, list[bool]] = {}
+    for b in range(0, len(jobs), batch_size):
+        batch = jobs[b: b + batch_size]
+        emb = m.encode([meta["prompt"] for meta, _ in batch], text_length)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + b)
+        x = torch.randn(len(batch), *m.latent_shape(RESOLUTION), generator=g)
+        with torch.no_grad():
+            for t in range(steps):
+                x = formulas.ode_step(x, m.velocity(x, torch.full((len(batch),), sigmas[t]), emb, guidance),
+                                      sigmas[t], sigmas[t + 1])
+        images = [Image.fromarray(a) for a in m.decode(x)]
+        for (meta, _), jd in zip(batch, geneval.detect_and_judge(images, [meta for meta, _ in batch], detector, colours)):
+            right.setdefault(meta["tag"], []).append(bool(jd.correct))
+    out = {tag: float(np.mean(v)) for tag, v in right.items()}
+    out["overall"] = float(np.mean(list(out.values())))
+    return out
