@@ -195,3 +195,81 @@ def test_eval_geneval_end_to_end(tmp_path):
                             reward_options={"geneval": {"detector": "shapes"}}))
     wrong = json.loads((tmp_path / "eval-wrong" / "summary.json").read_text())
     assert wrong["overall"] < 0.3
+
+
+# --------------------------------------------------------------------------------------------
+# Model-like degradation: blur, noise, off-palette colours
+# --------------------------------------------------------------------------------------------
+
+
+def _blur(image: np.ndarray, sigma: float) -> np.ndarray:
+    """Separable Gaussian blur (edges repeated), float."""
+    r = int(math.ceil(3 * sigma))
+    k = np.exp(-np.arange(-r, r + 1) ** 2 / (2 * sigma * sigma))
+    k /= k.sum()
+    a = image.astype(np.float64)
+    for axis in (0, 1):
+        pad = [(0, 0)] * 3
+        pad[axis] = (r, r)
+        p = np.pad(a, pad, mode="edge")
+        a = sum(w * np.take(p, np.arange(i, i + a.shape[axis]), axis=axis) for i, w in enumerate(k))
+    return a
+
+
+def _degrade(image: np.ndarray, rng: np.random.Generator, sigma: float, noise: float = 0.0, shift: float = 0.0):
+    a = (_blur(image, sigma) if sigma > 0 else image.astype(np.float64)) + rng.uniform(-shift, shift, 3) + rng.normal(0, noise, image.shape) * (noise > 0)
+    return np.clip(np.round(a), 0, 255).astype(np.uint8)
+
+
+def _confusion(scenes, images) -> tuple[float, dict]:
+    """(fraction of objects found right, {(true class, detected class or None): count})."""
+    found, total, misses = _score(scenes, images)
+    confusion: dict = {}
+    for _, cls, _, best in misses:
+        key = (cls, best["class"] if best is not None and best["score"] > 0.3 else None)
+        confusion[key] = confusion.get(key, 0) + 1
+    return found / total, confusion
+
+
+@pytest.fixture(scope="module")
+def degraded_scenes():
+    rng = np.random.default_rng(11)
+    return [shapes.sample_scene(rng) for _ in range(70)] + [crowded_scene(rng) for _ in range(30)]
+
+
+def test_blurred_scenes(degraded_scenes):
+    """Gaussian blur sigma 1 px (a generated image's soft edges): 97 % of objects, no class swaps
+    beyond the odd one (blurred diamonds must not read as circles, nor squares as circles)."""
+    rng = np.random.default_rng(0)
+    acc, confusion = _confusion(degraded_scenes, [_degrade(shapes.render(s), rng, 1.0) for s in degraded_scenes])
+    assert acc >= 0.97, confusion
+    assert sum(n for (t, d), n in confusion.items() if d is not None) <= 2, confusion
+
+
+def test_blurred_noisy_off_palette_scenes(degraded_scenes):
+    """Blur 1.5 px, noise sigma 15 per channel and the whole image's colours off by up to 20 per
+    channel: 90 % of objects; a wrong class stays rare (squares never become circles)."""
+    rng = np.random.default_rng(1)
+    images = [_degrade(shapes.render(s), rng, 1.5, 15.0, 20.0) for s in degraded_scenes]
+    acc, confusion = _confusion(degraded_scenes, images)
+    assert acc >= 0.9, confusion
+    assert sum(n for (t, d), n in confusion.items() if d is not None) <= 0.05 * 200, confusion
+    assert confusion.get(("square", "circle"), 0) <= 2, confusion
+
+
+def test_nothing_in_degraded_negatives():
+    """Noise, blurred noise, blank and noisy white, flat colours (palette ones too: no shape fills
+    the canvas) and smooth random colour fields: no detection scores above 0.3."""
+    from PIL import Image
+
+    rng = np.random.default_rng(4)
+    images = []
+    for _ in range(8):
+        noise = rng.integers(0, 256, (64, 64, 3)).astype(np.uint8)
+        white = np.full((64, 64, 3), 255, np.uint8)
+        flat = np.broadcast_to(rng.integers(0, 256, 3).astype(np.uint8), (64, 64, 3))
+        palette = np.broadcast_to(np.array(shapes.PALETTE[shapes.COLOURS[int(rng.integers(5))]], np.uint8), (64, 64, 3))
+        field = np.asarray(Image.fromarray(rng.integers(0, 256, (16, 16, 3)).astype(np.uint8)).resize(
+            (64, 64), Image.Resampling.BICUBIC))
+        images += [noise, _degrade(noise, rng, 1.5), white, _degrade(white, rng, 0.0, 15.0), flat, palette, field]
+    assert all(d["score"] <= 0.3 for image in images for d in detect(image))
