@@ -33,7 +33,7 @@ How it works, per image
    over the core's inner pixels (off-palette colours score low), plausible = 0 unless the fitted box
    is 9-30 px, at most 1.3 x as wide as tall (or tall as wide) and at least 75 % of the shape is
    seen (not under other colours or off the image; `MIN_SEEN`, `SIZES`, `MAX_ASPECT`): the scenes'
-   objects are 10-24 px squares boxes, 85 % visible, so flat colour fields, rectangles and shapes
+   objects fill 10-24 px square boxes, 85 % visible, so flat colour fields, rectangles and shapes
    mostly made up under other colours are no objects. Clean renders score > 0.9, so GenEval's
    counting threshold keeps them; blobs that fit no shape, or fit two, fall under its 0.3 threshold.
 
