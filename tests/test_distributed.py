@@ -211,13 +211,13 @@ def adapter(folder: Path) -> dict[str, torch.Tensor]:
 def test_rollout_manifest_only_after_every_rank(rollouts):
     n = len(PROMPTS)
     # rank 0 alone: its shards (0, 2) and their stats, no manifest, no stray temporaries
-    assert [f for f in rollouts["after_rank0"] if not f.startswith(".lock-")] == sorted([layout.shard_name(0, i) for i in range(0, n, 2)]
+    assert [f for f in rollouts["after_rank0"] if not f.startswith(".lock-")] == sorted([layout.STAGE_FILE] + [layout.shard_name(0, i) for i in range(0, n, 2)]
                                              + [layout.stats_name(Path(layout.shard_name(0, i))) for i in range(0, n, 2)])
     # after rank 1: exactly one manifest, listing every rank's shards
     two = rollouts["two"]
     names = sorted(p.name for p in two.iterdir() if not p.name.startswith(".lock-"))  # per-rank stage locks
     shards = expected_names(n, 2)
-    assert names == sorted([layout.MANIFEST, *shards, *(layout.stats_name(Path(s)) for s in shards)])
+    assert names == sorted([layout.MANIFEST, layout.STAGE_FILE, *shards, *(layout.stats_name(Path(s)) for s in shards)])
     assert [p.name for p in layout.list_shards(two)] == shards
     assert manifest(two)["shards"] == shards
     assert [p.name for p in layout.list_shards(rollouts["one"])] == expected_names(n, 1)

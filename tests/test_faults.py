@@ -500,7 +500,8 @@ def test_full_disk_during_rollout(clean, tmp_path, monkeypatch):
         rollout.run(rollout_cfg(clean / "prompts.txt", out))
     assert "space" in str(e.value).lower() or getattr(e.value, "errno", None) == errno.ENOSPC
     # shard 2's stats sidecar is written before the shard, so it may stand alone; the rerun rewrites it
-    assert names(out) == ["shard-r000-00000.stats.json", "shard-r000-00000.tar", "shard-r000-00001.stats.json"]
+    assert names(out) == ["shard-r000-00000.stats.json", "shard-r000-00000.tar", "shard-r000-00001.stats.json",
+                          layout.STAGE_FILE]
     assert leftovers(out) == []
     done = snapshot(out)
     assert sha(out / "shard-r000-00000.tar") == sha(ref / "shard-r000-00000.tar")
@@ -529,7 +530,8 @@ def test_full_disk_during_score(clean, tmp_path, monkeypatch):
     monkeypatch.setattr(layout, "os", FullDisk("scores-r000-00001.parquet"))
     with pytest.raises((OSError, TpkitError)):
         score.run(cfg())
-    assert names(out) == ["scores-r000-00000.parquet", "scores-r000-00000.stats.json", "scores-r000-00001.stats.json"]
+    assert names(out) == ["scores-r000-00000.parquet", "scores-r000-00000.stats.json", "scores-r000-00001.stats.json",
+                          layout.STAGE_FILE]
     assert leftovers(out) == []
     # finished outputs (and their sidecars) must stay as they are; the orphan sidecar is redone
     first = {k: v for k, v in snapshot(out).items() if k != "scores-r000-00001.stats.json"}
@@ -624,7 +626,8 @@ def test_reward_that_raises_halfway_leaves_no_partial_output(clean, tmp_path, mo
     else:
         first = out / "scores-r000-00000.parquet"
         assert pq.read_table(first).num_rows == 2 * (K + 1)  # the shard scored before: a complete file
-        assert names(out) == ["scores-r000-00000.parquet", "scores-r000-00000.stats.json"]  # none for the failing one
+        assert names(out) == ["scores-r000-00000.parquet", "scores-r000-00000.stats.json",  # none for the failing one
+                              layout.STAGE_FILE]
     assert not out.exists() or leftovers(out) == []
     kept = snapshot(out) if out.exists() else {}
 

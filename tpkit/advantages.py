@@ -185,15 +185,26 @@ def summary(m: RewardMatrix, a: Advantages) -> dict:
 
 def run(cfg: AdvantagesConfig) -> dict:
     cfg.validate()
-    with layout.stage_lock(Path(cfg.out), 0, cfg.overwrite):
-        return _run(cfg)
+    files = layout.parquet_files(Path(cfg.scores), "score")
+    ident = identity(cfg, files)
+    with layout.stage_lock(Path(cfg.out), 0, cfg.overwrite, identity=ident, inputs=(cfg.scores,)):
+        return _run(cfg, files, ident)
 
 
-def _run(cfg: AdvantagesConfig) -> dict:
+def identity(cfg: AdvantagesConfig, files: list[Path]) -> dict:
+    """What an advantages folder holds: these options applied to these scores files (their bytes)."""
+    return layout.stage_identity("advantages", to_dict(cfg), leave_out=("scores",), inputs={
+        "scores_sha256": {f.name: layout.file_digest(f) for f in files}})
+
+
+def _run(cfg: AdvantagesConfig, files: list[Path], ident: dict) -> dict:
     phases = Phases()
-    # 1. Read the scores (a folder of Parquet files or one file).
+    # 1. Read the scores (a folder of Parquet files or one file) and the rollout they belong to.
     with phases("read"):
         table = layout.read_parquet_tables(Path(cfg.scores), "score")
+        rollout_id = layout.rollout_of(files, table) or _from_score_manifest(Path(cfg.scores)).get("rollout_id")
+        dropped = sorted({t for f in files for t in layout.parquet_meta(f).get("dropped_trajectories", [])}
+                         | set(_from_score_manifest(Path(cfg.scores)).get("dropped_trajectories", [])))
 
     with phases("compute"):
         # 2. Arrange R_k per trajectory, refusing gaps, duplicates, NaN.
@@ -202,19 +213,22 @@ def _run(cfg: AdvantagesConfig) -> dict:
         # 3. Step rewards, turning points, balancing, shaped rewards, group-normalised advantages.
         a = compute(m, cfg.method, cfg.balance, cfg.std)
 
-    # 4. Write the table, then the manifest (with the summary the CLI shows).
+    # 4. Write the table (saying which rollout it belongs to), then the manifest (with the summary the CLI shows).
     out = Path(cfg.out)
     with phases("write"):
-        layout.write_parquet(out / layout.ADVANTAGES_FILE, to_table(m, a, cfg.method))
+        layout.write_parquet(out / layout.ADVANTAGES_FILE, to_table(m, a, cfg.method), {
+            "stage": "advantages", "rollout_id": rollout_id, "scores_sha256": ident["inputs"]["scores_sha256"],
+            "dropped_trajectories": dropped})
     info = summary(m, a)
     return layout.write_manifest(out, "advantages", to_dict(cfg), inputs={"scores": str(cfg.scores)},
                                  counts={"rows": info["rows"], "trajectories": info["trajectories"]},
-                                 seconds=phases.rounded(), summary=info, **_from_score_manifest(Path(cfg.scores)))
+                                 seconds=phases.rounded(), summary=info, identity=ident, rollout_id=rollout_id,
+                                 dropped_trajectories=dropped)
 
 
 def _from_score_manifest(scores: Path) -> dict:
-    """What a `tpkit score` folder says about its rollout: its id, and the trajectories it dropped
-    on purpose (--on-nan drop), so train can tell those from missing ones. {} for other tables."""
+    """What a `tpkit score` folder's manifest says (written by an older tpkit, its files carry no
+    metadata): the trajectories it dropped on purpose (--on-nan drop). {} for other tables."""
     import json
 
     manifest = scores / layout.MANIFEST if scores.is_dir() else None

@@ -127,7 +127,7 @@ def advantages(
 @app.command()
 def train(
     rollout_dir: Path = typer.Option(..., "--rollout", help="Folder written by `tpkit rollout`."),
-    advantages_dir: Path = typer.Option(..., "--advantages", help="Folder written by `tpkit advantages`."),
+    advantages_dir: Path = typer.Option(..., "--advantages", help="Folder written by `tpkit advantages`, or its advantages.parquet."),
     out: Path = typer.Option(..., "--out", help="Output folder: adapter/, state/, metrics.jsonl, manifest.json."),
     init_lora: Optional[Path] = typer.Option(None, help="adapter/ of a previous round (its state/ is continued too)."),
     lora_rank: int = typer.Option(32, help="LoRA rank r."),
@@ -154,6 +154,9 @@ def train(
     ema_every: int = typer.Option(TrainConfig.ema_every, help="Update the EMA every N optimizer steps."),
     gradient_checkpointing: bool = typer.Option(False, help="Trade compute for activation memory."),
     max_bad_steps: int = typer.Option(3, help="Stop after this many non-finite steps in a row."),
+    allow_no_op: bool = typer.Option(TrainConfig.allow_no_op,
+                                     help="Accept a round with nothing to learn (every advantage 0, or every step "
+                                          "non-finite): save the adapter unchanged instead of failing."),
     seed: int = typer.Option(0, help="Seed of the micro-batch order."),
     checkpoint_every: int = typer.Option(1, help="Save a resumable checkpoint every N optimizer steps (0: never)."),
     overwrite: bool = typer.Option(False, help="Clear the output folder first and redo the stage."),
@@ -171,7 +174,8 @@ def train(
         clip_range=clip_range, adv_clip=adv_clip, beta=beta, kl=kl, drop_zero_advantage=drop_zero_advantage,
         optimizer_steps=optimizer_steps, ema_every=ema_every,
         micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision, ema=ema,
-        ema_decay=ema_decay, gradient_checkpointing=gradient_checkpointing, max_bad_steps=max_bad_steps, seed=seed,
+        ema_decay=ema_decay, gradient_checkpointing=gradient_checkpointing, max_bad_steps=max_bad_steps,
+        allow_no_op=allow_no_op, seed=seed,
         checkpoint_every=checkpoint_every, overwrite=overwrite, device=device, dtype=dtype,
     )
     manifest = stage.run(cfg)
@@ -186,6 +190,7 @@ def run_recipe(
     out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default: the recipe's out, else runs/NAME)."),
     rounds: Optional[int] = typer.Option(None, help="Number of rounds (overrides the recipe)."),
     set_: List[str] = typer.Option([], "--set", help="Override a recipe key: --set train.learning_rate=1e-3 (repeatable)."),
+    overwrite: bool = typer.Option(False, help="Clear the run folder first and start the run again."),
 ) -> None:
     """Rounds of rollout -> score -> advantages -> train from one recipe; rerun to continue."""
     from tpkit import run as stage
@@ -193,7 +198,7 @@ def run_recipe(
     from tpkit.show import rounds_view
 
     r = load_recipe(recipe, set_, rounds=rounds, out=str(out) if out else None)
-    lines = stage.run(r)
+    lines = stage.run(r, overwrite=overwrite)
     if lines:  # the main process reports; the others return nothing
         rounds_view(lines)
         _done(Path(r.out))
@@ -270,11 +275,13 @@ def prompts_geneval(
                                             "prompts); train: prompts none of which is in the official test set."),
     seed: Optional[int] = typer.Option(None, help="Default: 43 for test, 0 for train."),
     n: Optional[int] = typer.Option(None, help="Per tag: draws for test (default 100), prompts for train (default 1000)."),
+    overwrite: bool = typer.Option(False, help="Replace --out if it exists."),
 ) -> None:
     """GenEval-style train/test prompt sets (80 COCO classes, counts, colours, relations)."""
     from tpkit.geneval_prompts import run as write_prompts
     from tpkit.ui import console
 
+    _new_file(out, overwrite)
     path = write_prompts(out, seed, split, n)
     lines = sum(1 for _ in path.open())
     console.print(f"[green]done[/]: {path} ({lines} prompts)")
@@ -286,12 +293,15 @@ def prompts_shapes(
     out: Optional[Path] = typer.Option(None, "--out", help="Output .jsonl (default: data/shapes-SPLIT.jsonl)."),
     n: Optional[int] = typer.Option(None, help="Prompts per task (default 80 for train, 16 for test)."),
     seed: int = typer.Option(0, help="Order of the prompts within each task."),
+    overwrite: bool = typer.Option(False, help="Replace --out if it exists."),
 ) -> None:
     """GenEval metadata for scenes of coloured shapes (the tiny-shapes testbed), six tasks."""
     from tpkit.shapes import write_prompts
     from tpkit.ui import console
 
-    path = write_prompts(out or Path("data") / f"shapes-{split}.jsonl", split, n, seed)
+    out = out or Path("data") / f"shapes-{split}.jsonl"
+    _new_file(out, overwrite)
+    path = write_prompts(out, split, n, seed)
     lines = sum(1 for _ in path.open())
     console.print(f"[green]done[/]: {path} ({lines} prompts)")
 
@@ -353,6 +363,14 @@ def pretrain_shapes(
     shapes_model.train(out, recipe, max_minutes=max_minutes)
 
 
+def _new_file(out: Path, overwrite: bool) -> None:
+    """A command writing one file never replaces an existing one (a shipped prompt set ...) unasked."""
+    from tpkit.errors import InputError
+
+    if out.exists() and not overwrite:
+        raise InputError(f"{out} already exists", "pass another --out, or --overwrite to replace it")
+
+
 def _finished(manifest: dict | None, out: Path, show) -> None:
     from tpkit.ui import console
 
@@ -369,12 +387,33 @@ def _done(out: Path) -> None:
     console.print(f"[green]done[/]: {out}")
 
 
+def _click_exceptions() -> tuple:
+    """Typer ships its own copy of click (typer._click): its usage errors are not click's classes."""
+    import click
+
+    import typer.exceptions
+
+    mods = [click.exceptions, typer.exceptions]
+    try:
+        from typer._click import exceptions as typer_click
+
+        mods.append(typer_click)
+    except ImportError:
+        pass
+    return mods
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     argv = _take_threads(argv)
-    import click
+    mods = _click_exceptions()
+    def classes(name: str) -> tuple:
+        return tuple({getattr(m, name) for m in mods if isinstance(getattr(m, name, None), type)})
+
+    help_shown, usage, clicked = classes("NoArgsIsHelpError"), classes("UsageError"), classes("ClickException")
+    exited, aborted = classes("Exit"), classes("Abort")
 
     try:
         code = app(args=argv, prog_name="tpkit", standalone_mode=False)  # typer.Exit(n) comes back as n
@@ -385,12 +424,24 @@ def main(argv: list[str] | None = None) -> None:
             raise
         _error(str(e))
         sys.exit(e.exit_code)
-    except click.exceptions.Exit as e:
+    except help_shown as e:  # bare `tpkit` or `tpkit eval`: the help (typer may have printed it already)
+        text = e.format_message()
+        if text.strip():
+            print(text)
+        sys.exit(0)
+    except exited as e:
         sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except usage as e:
+        if debug:
+            raise
+        _error(_usage_message(e, argv))
+        sys.exit(2)
+    except clicked as e:
+        if debug:
+            raise
+        _error(e.format_message())
+        sys.exit(e.exit_code or 1)
+    except (*aborted, KeyboardInterrupt):
         _error("interrupted; rerun the same command to finish (finished files are kept)")
         sys.exit(130)
     except Exception as e:
@@ -398,6 +449,41 @@ def main(argv: list[str] | None = None) -> None:
             raise
         _error(f"{type(e).__name__}: {e}".splitlines()[0][:300] + "\n  (rerun with --debug for the traceback)")
         sys.exit(1)
+
+
+def _usage_message(e, argv: list[str]) -> str:
+    """A usage error in tpkit's voice: what was wrong with which flag, the expected value, the fix."""
+    import difflib
+
+    ctx = getattr(e, "ctx", None)
+    command = ctx.command_path if ctx is not None else \
+        "tpkit" + (f" {argv[0]}" if argv and not argv[0].startswith("-") else "")
+    fix = f"  fix: see `{command} --help`"
+    param = getattr(e, "param", None)
+    kind = type(e).__name__
+    if kind == "NoSuchOption":
+        name = getattr(e, "option_name", "") or ""
+        known = [o for p in (ctx.command.params if ctx is not None else []) for o in getattr(p, "opts", [])
+                 if o.startswith("-")] + ["--help"]
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+        return f"no such option {name}" + (f" (did you mean {near[0]}?)" if near else "") + "\n" + fix
+    if kind == "MissingParameter":
+        what = "option" if param is not None and getattr(param, "param_type_name", "") == "option" else "argument"
+        names = "/".join(param.opts) if param is not None else ""
+        if what == "argument" and param is not None:
+            names = (getattr(param, "metavar", None) or param.name.upper())
+        return f"missing {what} {names}\n" + fix
+    if param is not None and getattr(param, "opts", None):
+        flag = param.opts[0]
+        given = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a in param.opts), None)
+        default = getattr(param, "default", None)
+        example = f"e.g. {flag} {' '.join(map(str, default)) if isinstance(default, (tuple, list)) else default}" \
+            if default not in (None, "", [], ()) and not isinstance(default, bool) else ""
+        msg = getattr(e, "message", str(e))
+        return (f"{flag}{f' {given!r}' if given is not None else ''}: {msg[:1].lower() + msg[1:]}\n"
+                f"  fix: {example + ' (' if example else ''}see `{command} --help`{')' if example else ''}")
+    text = e.format_message() if hasattr(e, "format_message") else str(e)
+    return f"{text[:1].lower() + text[1:]}\n" + fix
 
 
 def _take_threads(argv: list[str]) -> list[str]:

@@ -276,6 +276,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     mixed_precision: str = "no"
     drop_zero_advantage: bool = True  # leave trajectories whose advantage is 0 at every step out of the loss
+    allow_no_op: bool = False  # a round with nothing to learn (all advantages 0, every step non-finite) is not an error
     ema: bool = False  # adapter/ holds the EMA weights, adapter-raw/ the trained ones
     ema_decay: float = 0.9  # the release's, reached after a warm-up min((1 + g) / (10 + g), decay)
     ema_every: int = 8  # update the EMA every N optimizer steps (the release's 8)

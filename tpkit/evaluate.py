@@ -113,11 +113,22 @@ def _jsonable(x):
 def run(cfg: EvalConfig) -> dict | None:
     """Run (or finish) an evaluation; returns the manifest once every prompt is done."""
     cfg.validate()
-    with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size):
-        return _run(cfg)
+    ident = identity(cfg)
+    with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size, ident,
+                           inputs=(cfg.prompts, cfg.images, cfg.lora)):
+        return _run(cfg, ident)
 
 
-def _run(cfg: EvalConfig) -> dict | None:
+def identity(cfg: EvalConfig) -> dict:
+    """What an eval folder holds: these options for this model, LoRA (its contents) and prompts (their
+    bytes; GenEval's regenerated set when none) or judged image folder."""
+    prompts = Path(cfg.prompts) if cfg.prompts else None
+    return layout.stage_identity(f"eval-{cfg.kind}", to_dict(cfg), leave_out=("prompts", "lora", "grid_prompts"), inputs={
+        "prompts_sha256": layout.file_digest(prompts) if prompts and prompts.is_file() else None,
+        "lora_sha256": layout.tree_digest(cfg.lora)})
+
+
+def _run(cfg: EvalConfig, ident: dict) -> dict | None:
     from tpkit import sd3
     from tpkit.rewards import load_rewards
     from tpkit.ui import track
@@ -188,7 +199,7 @@ def _run(cfg: EvalConfig) -> dict | None:
     write_grids(out, results, cfg)
     generated = 0 if cfg.images else len(results)
     return layout.write_manifest(
-        out, f"eval-{cfg.kind}", to_dict(cfg),
+        out, f"eval-{cfg.kind}", to_dict(cfg), identity=ident,
         inputs={"prompts": cfg.prompts, "images": cfg.images, "model": cfg.model, "lora": cfg.lora},
         # The protocol's model work (a CFG pair counts once; a resumed batch is recomputed whole, not counted twice).
         counts={"prompts": len(prompts), "images": len(results), "transformer_calls": generated * cfg.steps,
@@ -212,6 +223,10 @@ def _load_prompts(cfg: EvalConfig) -> tuple[list[layout.Prompt], list[Path]]:
             prompts.append(layout.Prompt(f"p{i:05d}", meta["prompt"], meta))
         return prompts, folders
     if cfg.prompts:
+        if cfg.kind == "geneval" and not Path(cfg.prompts).is_file():
+            raise InputError(f"GenEval metadata {cfg.prompts} does not exist",
+                             "pass --metadata FILE (e.g. data/shapes-test.jsonl, or `tpkit prompts geneval --split test "
+                             "--out FILE` for GenEval's 553 prompts), or omit --metadata to use GenEval's own prompts")
         prompts = layout.load_prompts(Path(cfg.prompts))
     elif cfg.kind == "geneval":  # GenEval's own 553 prompts, regenerated (no file needed, nothing downloaded)
         from tpkit.geneval_prompts import official_like_test_set

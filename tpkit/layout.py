@@ -9,10 +9,12 @@ incomplete. Nothing here unpickles or executes what it reads.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
 import re
+import shutil
 import tarfile
 import tempfile
 from collections import Counter
@@ -25,6 +27,7 @@ from tpkit.errors import InputError
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+STAGE_FILE = "stage.json"  # a stage folder's identity, written before any output (see `claim`)
 ADVANTAGES_FILE = "advantages.parquet"
 METRICS_FILE = "metrics.jsonl"
 ROUNDS_FILE = "rounds.jsonl"
@@ -92,12 +95,31 @@ def round_dir(run_dir: Path, round_index: int) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
+def umask() -> int:
+    """This process's umask, read from /proc: unlike os.umask() that does not change it meanwhile
+    for other threads."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def file_mode() -> int:
+    """The mode open() gives a new file under the umask (mkstemp makes 0600 whatever it is)."""
+    return 0o666 & ~umask()
+
+
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write bytes to a temporary file in the same folder, fsync, then rename into place."""
+    """Write bytes to a temporary file in the same folder, fsync, then rename into place. The file
+    gets the mode a plain open() would give it under the process's umask."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -112,11 +134,13 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
 
 
-def write_manifest(folder: Path, stage: str, config: dict, inputs: dict, counts: dict, **extra: Any) -> dict:
-    """The last file a stage writes: resolved config, inputs, counts, schema and tpkit versions."""
+def write_manifest(folder: Path, stage: str, config: dict, inputs: dict, counts: dict,
+                   identity: dict | None = None, **extra: Any) -> dict:
+    """The last file a stage writes: resolved config, inputs, counts, schema and tpkit versions, and
+    the folder's identity (`stage_identity`: what downstream stages check)."""
     manifest = {
         "stage": stage, "schema_version": SCHEMA_VERSION, "tpkit_version": __version__,
-        "config": config, "inputs": inputs, "counts": counts, **extra,
+        "config": config, "inputs": inputs, "counts": counts, **({"identity": identity} if identity else {}), **extra,
     }
     atomic_write_json(Path(folder) / MANIFEST, manifest)
     return manifest
@@ -147,18 +171,133 @@ def check_schema_version(version: Any, where: Path | str) -> None:
                          "upgrade tpkit (pip install -U tpkit) to read files from a newer version")
 
 
+# --------------------------------------------------------------------------------------------
+# Identity: a folder knows what it holds
+# --------------------------------------------------------------------------------------------
+
+# Options that say where or how a stage runs, not what it computes: never part of an identity.
+WHERE_OPTIONS = ("out", "rank", "world_size", "overwrite", "device")
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tree_digest(path: str | Path | None) -> str | None:
+    """Content digest of a file, or of a folder's visible files (names and bytes); None for no path."""
+    if not path:
+        return None
+    path = Path(path)
+    if path.is_file():
+        return file_digest(path)
+    if not path.is_dir():
+        raise InputError(f"{path}: no such file or folder", "check the path")
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(path).parts)):
+        h.update(f"{f.relative_to(path)}\0{file_digest(f)}\0".encode())
+    return h.hexdigest()
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def stage_identity(stage: str, config: dict, inputs: dict, leave_out: tuple[str, ...] = ()) -> dict:
+    """What a stage folder holds: the stage, the options that change its output, and the identity of
+    its inputs (ids and content digests, not paths: a moved input is the same input). `leave_out`:
+    config keys naming inputs (`inputs` stands for them) or not changing the output; `id` is a digest
+    of the rest."""
+    options = {k: v for k, v in config.items() if k not in WHERE_OPTIONS and k not in leave_out}
+    body = {"stage": stage, "options": options, "inputs": inputs}
+    return {**json.loads(json.dumps(body, sort_keys=True, default=str)), "id": _digest(body)}
+
+
+def _visible(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if not p.name.startswith(".")] if folder.is_dir() else []
+
+
+def folder_identity(folder: Path) -> dict | None:
+    """What a folder says it holds: its stage.json, else (written by an older tpkit) its manifest's
+    stage; None for a missing or empty folder; {"stage": None} for files tpkit did not write."""
+    folder = Path(folder)
+    for name in (STAGE_FILE, MANIFEST):
+        try:
+            body = json.loads((folder / name).read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(body, dict) and body.get("stage"):
+            return body if name == STAGE_FILE else body.get("identity") or {"stage": body["stage"]}
+    return {"stage": None} if _visible(folder) else None
+
+
+def _mismatch(folder: Path, held: dict, want: dict) -> str | None:
+    """Why a folder's content is not what this stage run would write (None: it is)."""
+    if held.get("stage") is None:
+        return f"{folder} already holds files that tpkit did not write (no {STAGE_FILE})"
+    if held["stage"] != want["stage"]:
+        return f"{folder} holds the output of `tpkit {held['stage']}`, not of `tpkit {want['stage']}`"
+    if held.get("id") == want["id"]:
+        return None
+    if "options" not in held:
+        return f"{folder} holds {want['stage']} output of unknown options (written by an older tpkit)"
+    diff = sorted(f"--{k.replace('_', '-')}" for k in set(held["options"]) | set(want["options"])
+                  if held["options"].get(k) != want["options"].get(k))
+    diff += sorted(f"input {k}" for k in set(held.get("inputs", {})) | set(want["inputs"])
+                   if held.get("inputs", {}).get(k) != want["inputs"].get(k))
+    return (f"{folder} holds {want['stage']} output of other options or inputs "
+            f"(differs in: {', '.join(diff) or 'version'})")
+
+
+def check_out(folder: Path, identity: dict, overwrite: bool, inputs: tuple = ()) -> None:
+    """Refuse, before anything is written, an output folder that is (or contains) one of the stage's
+    inputs, that holds something else than this stage's output of these inputs and options (unless
+    `overwrite`), or that `overwrite` would clear although tpkit did not write it."""
+    folder = Path(folder).resolve()
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"--out {folder} is a file, not a folder", "pass a folder for --out")
+    for inp in inputs:
+        if inp and (folder == Path(inp).resolve() or folder in Path(inp).resolve().parents):
+            raise InputError(f"--out {folder} is (or contains) this stage's input {inp}",
+                             "write to a new --out folder")
+    held = folder_identity(folder)
+    if held is None:
+        return
+    if overwrite:
+        if held.get("stage") is None:
+            raise InputError(f"{folder} holds files that tpkit did not write, so --overwrite will not delete them",
+                             "pass a new or empty --out folder")
+        return
+    why = _mismatch(folder, held, identity)
+    if why:
+        raise InputError(why, "pass --overwrite to replace that folder's content, or a new --out folder"
+                         if held.get("stage") else "pass a new or empty --out folder")
+
+
 @contextlib.contextmanager
-def stage_lock(folder: Path, rank: int = 0, overwrite: bool = False, world_size: int = 1) -> Iterator[None]:
-    """Hold this rank's exclusive lock on a stage folder while the stage runs.
+def stage_lock(folder: Path, rank: int = 0, overwrite: bool = False, world_size: int = 1,
+               identity: dict | None = None, inputs: tuple = ()) -> Iterator[None]:
+    """Hold this rank's exclusive lock on a stage folder while the stage runs, and claim the folder.
 
     A second process started on the same folder and rank by mistake stops at once instead of
     interleaving files with the first (ranks of one launch lock different files). The kernel drops
     the lock when the process dies, kill -9 included, so a crash never leaves a stale lock.
-    overwrite: clear the folder first (its files only; one process), to redo a stage on purpose.
+    identity (`stage_identity`): checked against what the folder holds (`check_out`) before
+    anything is written, then written to stage.json before any output, so that a half-finished
+    folder also knows what it holds; a rerun resumes only with the same identity.
+    overwrite: clear the folder first (everything but the locks; one process), to redo a stage on purpose.
     """
     import fcntl
 
     folder = Path(folder)
+    if overwrite and world_size > 1:
+        raise InputError("--overwrite with several processes could delete other ranks' fresh files",
+                         "run once with --overwrite in one process, or delete the folder first")
+    if identity is not None:
+        check_out(folder, identity, overwrite, inputs)
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     lock = folder / f".lock-r{rank:03d}"
@@ -170,17 +309,17 @@ def stage_lock(folder: Path, rank: int = 0, overwrite: bool = False, world_size:
         raise InputError(f"{folder} is in use by another tpkit process (rank {rank})",
                          "wait for it to finish, or write to another --out") from None
     try:
+        if identity is not None:
+            check_out(folder, identity, overwrite, inputs)  # again, now that no other process writes here
         if overwrite:
-            if world_size > 1:
-                raise InputError("--overwrite with several processes could delete other ranks' fresh files",
-                                 "run once with --overwrite in one process, or delete the folder first")
             _clear(folder)
+        if identity is not None and not (folder / STAGE_FILE).is_file():
+            atomic_write_json(folder / STAGE_FILE, identity)
         remove_stale_temps(folder, rank, world_size)
         yield
     except BaseException:
-        if created and [p.name for p in folder.iterdir()] == [lock.name]:  # failed before writing anything
-            lock.unlink(missing_ok=True)
-            folder.rmdir()
+        if created and sorted(p.name for p in folder.iterdir()) in ([lock.name], sorted([lock.name, STAGE_FILE])):
+            shutil.rmtree(folder)  # failed before writing any output: leave no trace
         raise
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
@@ -188,9 +327,7 @@ def stage_lock(folder: Path, rank: int = 0, overwrite: bool = False, world_size:
 
 
 def _clear(folder: Path) -> None:
-    """Remove a stage folder's outputs (keeps the lock files)."""
-    import shutil
-
+    """Remove everything in a stage folder but the lock files (no old file survives --overwrite)."""
     for p in folder.iterdir():
         if p.name.startswith(".lock-"):
             continue
@@ -353,6 +490,7 @@ def read_shard(path: Path, load_tensors: bool = True) -> tuple[dict[str, PromptR
             if EMBEDS not in g:
                 raise InputError(f"{where}: prompt sample without {EMBEDS}", "rerun `tpkit rollout` to rewrite the shard")
             embeds = _tensors_from_bytes(g[EMBEDS], where) if load_tensors else {}
+            _check_finite(embeds, f"{where}.{EMBEDS}")
             prompts[body["prompt_id"]] = PromptRecord(body["prompt_id"], body["prompt"], body.get("metadata", {}), embeds)
         elif TRAJ_JSON in g:
             meta = _json(g[TRAJ_JSON], where)
@@ -362,6 +500,7 @@ def read_shard(path: Path, load_tensors: bool = True) -> tuple[dict[str, PromptR
                 raise InputError(f"{where}: trajectory sample without {', '.join(missing)}",
                                  "rerun `tpkit rollout` to rewrite the shard")
             tensors = _tensors_from_bytes(g[TENSORS], where) if load_tensors else {}
+            _check_finite(tensors, f"{where}.{TENSORS}")
             trajectories.append(TrajectoryRecord(meta, tensors, g[FINAL_PNG]))
     index = groups.get(INDEX_KEY, {}).get("json")
     if index is None:
@@ -376,6 +515,16 @@ def read_shard(path: Path, load_tensors: bool = True) -> tuple[dict[str, PromptR
         if t.meta["prompt_id"] not in prompts:
             raise InputError(f"{path}: trajectory {t.trajectory_id} has no prompt sample", "rerun `tpkit rollout`")
     return prompts, trajectories
+
+
+def _check_finite(tensors: dict, where: str) -> None:
+    """Non-finite numbers in a valid file would turn into NaN losses or meaningless rewards downstream."""
+    import torch
+
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise InputError(f"{where}: {name} holds NaN or infinite values",
+                             "delete the shard and rerun the stage that wrote it (`tpkit rollout` with the same options)")
 
 
 def _json(data: bytes, where: str) -> dict:
@@ -393,16 +542,66 @@ def _json(data: bytes, where: str) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def parquet_bytes(table) -> bytes:
+PARQUET_META = b"tpkit"  # Parquet schema metadata: what a file was computed from (stage, rollout_id ...)
+
+
+def parquet_bytes(table, meta: dict | None = None) -> bytes:
+    """A table as Parquet bytes; `meta` goes into the schema metadata, so that a single file, copied
+    or passed on its own, still says which rollout it belongs to."""
     import pyarrow.parquet as pq
 
+    if meta is not None:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                               PARQUET_META: json.dumps(meta, sort_keys=True).encode()})
     buf = io.BytesIO()
     pq.write_table(table, buf)
     return buf.getvalue()
 
 
-def write_parquet(path: Path, table) -> None:
-    atomic_write(path, parquet_bytes(table))
+def write_parquet(path: Path, table, meta: dict | None = None) -> None:
+    atomic_write(path, parquet_bytes(table, meta))
+
+
+def parquet_files(path: Path, what: str) -> list[Path]:
+    """One Parquet file, or every *.parquet in a folder."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.parquet"))
+        if not files:
+            raise InputError(f"{path}: no .parquet files", f"pass the folder written by `tpkit {what}` or one .parquet file")
+        return files
+    if path.is_file():
+        return [path]
+    raise InputError(f"{path}: no such file or folder", "check the path")
+
+
+def parquet_meta(path: Path) -> dict:
+    """The tpkit metadata of a Parquet file ({} for a table tpkit did not write)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        raw = (pq.read_schema(path).metadata or {}).get(PARQUET_META)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise InputError(f"{path}: not a readable Parquet file ({e})", "rerun the stage that wrote it") from None
+    try:
+        meta = json.loads(raw) if raw else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        meta = {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def rollout_of(files: list[Path], table=None) -> str | None:
+    """The one rollout_id that Parquet files were computed from (their metadata, else a `rollout_id`
+    column); None if they name none. Files of different rollouts are an error."""
+    ids = {parquet_meta(f).get("rollout_id") for f in files}
+    if table is not None and None in ids and "rollout_id" in table.column_names:
+        ids = (ids - {None}) | set(table["rollout_id"].cast("string").to_pylist())
+    named = ids - {None}
+    if len(named) > 1 or (named and None in ids):
+        raise InputError(f"{files[0].parent}: files computed from different rollouts ({', '.join(sorted(map(str, ids)))})",
+                         "pass the files of one rollout only")
+    return named.pop() if named else None
 
 
 def read_parquet_tables(path: Path, what: str) -> "Any":
@@ -411,14 +610,7 @@ def read_parquet_tables(path: Path, what: str) -> "Any":
     import pyarrow.parquet as pq
 
     path = Path(path)
-    if path.is_dir():
-        files = sorted(path.glob("*.parquet"))
-        if not files:
-            raise InputError(f"{path}: no .parquet files", f"pass the folder written by `tpkit {what}` or one .parquet file")
-    elif path.is_file():
-        files = [path]
-    else:
-        raise InputError(f"{path}: no such file or folder", "check the path")
+    files = parquet_files(path, what)
     tables = []
     for f in files:
         try:

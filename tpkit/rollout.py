@@ -131,18 +131,20 @@ def write_shard(model, cfg: RolloutConfig, prompts: list[Prompt], sigmas: list[f
     layout.write_output(path, data, {
         "counts": {"prompts": len(prompts), "trajectories": len(jobs), "transformer_calls": len(jobs) * cfg.steps,
                    "decodes": len(jobs)},
-        "seconds": phases.seconds,
+        "seconds": phases.seconds, "sha256": hashlib.sha256(data).hexdigest(),
     })
 
 
 def run(cfg: RolloutConfig) -> dict | None:
     """Run (or finish) a rollout. Returns the manifest once every shard exists, else None."""
     cfg.validate()
-    with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size):
-        return _run(cfg)
+    ident = identity(cfg)
+    with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size, ident,
+                           inputs=(cfg.prompts, cfg.lora)):
+        return _run(cfg, ident)
 
 
-def _run(cfg: RolloutConfig) -> dict | None:
+def _run(cfg: RolloutConfig, ident: dict) -> dict | None:
     from tpkit import sd3
     from tpkit.ui import track
 
@@ -176,22 +178,33 @@ def _run(cfg: RolloutConfig) -> dict | None:
     stats = layout.sum_stats(files)
     meta0 = layout.read_shard(files[0], load_tensors=False)[1][0].meta
     return layout.write_manifest(
-        out, "rollout", to_dict(cfg), rollout_id=rollout_id(cfg),
-        inputs={"prompts": str(cfg.prompts), "prompts_sha256": _sha256(Path(cfg.prompts)), "model": cfg.model,
-                "lora": cfg.lora},
+        out, "rollout", to_dict(cfg), identity=ident, rollout_id=ident["id"],
+        inputs={"prompts": str(cfg.prompts), "prompts_sha256": ident["inputs"]["prompts_sha256"], "model": cfg.model,
+                "lora": cfg.lora, "lora_sha256": ident["inputs"]["lora_sha256"]},
+        shard_sha256={f.name: _shard_sha256(f) for f in files},
         counts={"shards": len(files), **stats.get("counts", {})},
         seconds=stats.get("seconds", {}), window_start=start, sigmas=meta0["sigmas"],
         shards=[f.name for f in files],
     )
 
 
+def identity(cfg: RolloutConfig) -> dict:
+    """What a rollout folder holds (its `id` is the rollout_id that later stages carry forward, so
+    train can refuse another rollout's advantages): the settings, the prompts' and the policy
+    LoRA's contents, not where they are, where the output goes or how many processes write it."""
+    return layout.stage_identity("rollout", to_dict(cfg), leave_out=("prompts", "lora"), inputs={
+        "prompts_sha256": layout.file_digest(Path(cfg.prompts)) if Path(cfg.prompts).is_file() else None,
+        "lora_sha256": layout.tree_digest(cfg.lora)})
+
+
 def rollout_id(cfg: RolloutConfig) -> str:
-    """Identity of a rollout's content (settings and prompts, not where it was written or by how
-    many processes): later stages carry it forward so train can refuse another rollout's advantages."""
-    body = {k: v for k, v in to_dict(cfg).items() if k not in ("out", "rank", "world_size")}
-    body["prompts"] = _sha256(Path(cfg.prompts))
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return identity(cfg)["id"]
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _shard_sha256(shard: Path) -> str:
+    """From the shard's stats sidecar (computed from the bytes as they were written), else from the file."""
+    side = shard.with_name(layout.stats_name(shard))
+    try:
+        return json.loads(side.read_text())["sha256"]
+    except (OSError, KeyError, json.JSONDecodeError):
+        return layout.file_digest(shard)

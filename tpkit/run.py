@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tpkit import layout
 from tpkit.config import Recipe
-from tpkit.errors import ConfigError
+from tpkit.errors import ConfigError, TpkitError
 
 RUN_TOML, ROUND_JSON = "run.toml", "round.json"
 
@@ -42,7 +42,8 @@ def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
         if a != b:
             diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
             raise ConfigError(f"{run_dir} was started with a different recipe (differs in: {', '.join(diff)})",
-                              "continue with the same recipe and --set options, or pass a new --out")
+                              "continue with the same recipe and --set options, pass a new --out, "
+                              "or --overwrite to start that run again")
     layout.atomic_write(saved_path, tomli_w.dumps(current).encode())
 
 
@@ -169,7 +170,19 @@ def write_rounds(run_dir: Path, rounds: int) -> list[dict]:
     return lines
 
 
-def run(recipe: Recipe) -> list[dict]:
+def claim_run_folder(run_dir: Path, recipe: Recipe, overwrite: bool, world: int) -> None:
+    """The run folder holds this recipe's run (any number of rounds) and nothing else; --overwrite
+    starts it again from an empty folder."""
+    ident = layout.stage_identity("run", dict(recipe.to_dict(), rounds=None), inputs={})
+    if not overwrite and (run_dir / RUN_TOML).is_file():
+        check_same_recipe(run_dir, recipe)  # refuses another recipe, naming the keys that differ
+        if not (run_dir / layout.STAGE_FILE).is_file():  # a run started by an older tpkit
+            layout.atomic_write_json(run_dir / layout.STAGE_FILE, ident)
+    with layout.stage_lock(run_dir, 0, overwrite, world, ident):
+        check_same_recipe(run_dir, recipe)
+
+
+def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
     from tpkit import report
     from tpkit.ui import console
 
@@ -180,9 +193,9 @@ def run(recipe: Recipe) -> list[dict]:
     rank, world = resolve_rank(None, None)
     rewards = load_rewards(recipe.score.rewards, recipe.score.reward_options)  # once, and before any rollout
     run_dir = Path(recipe.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        check_same_recipe(run_dir, recipe)
+        claim_run_folder(run_dir, recipe, overwrite, world)
+    run_dir.mkdir(parents=True, exist_ok=True)
 
     # 2. Rounds; finished ones are skipped, a half-finished one resumes at its first missing stage.
     lines: list[dict] = []
@@ -193,7 +206,11 @@ def run(recipe: Recipe) -> list[dict]:
         elapsed = time.perf_counter() - t0
         console.rule(f"[bold]round {r + 1}/{recipe.rounds}[/] ({recipe.method}, {run_dir})"
                      + (f"  elapsed {elapsed:.0f}s" if elapsed > 1 else ""))
-        if run_round(recipe, run_dir, r, rewards) is None:
+        try:
+            line = run_round(recipe, run_dir, r, rewards)
+        except TpkitError as e:  # a broken round stops the run, saying which round
+            raise type(e)(f"round {r}: {e.message}", e.fix) from e
+        if line is None:
             wait_for(layout.round_dir(run_dir, r) / ROUND_JSON, f"round {r}")
             continue
         # 3. After every round (main process): rounds.jsonl and report.png.

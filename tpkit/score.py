@@ -213,11 +213,21 @@ def run(cfg: ScoreConfig, rewards: list[Reward] | None = None) -> dict | None:
     `rewards`: already built rewards (`tpkit run` builds them once for all rounds), else built
     here from cfg.rewards / cfg.reward_options."""
     cfg.validate()
-    with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size):
-        return _run(cfg, rewards)
+    rollout = layout.read_manifest(Path(cfg.rollout), "rollout")
+    ident = identity(cfg, rollout)
+    with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size, ident, inputs=(cfg.rollout,)):
+        return _run(cfg, rewards, rollout, ident)
 
 
-def _run(cfg: ScoreConfig, rewards: list[Reward] | None) -> dict | None:
+def identity(cfg: ScoreConfig, rollout: dict) -> dict:
+    """What a score folder holds: these options applied to this rollout (its id and shard digests).
+    Not part of it: the reward threads, and --on-nan (a file written under `stop` is the same under
+    `drop`, so a run stopped by a NaN reward resumes with --on-nan drop)."""
+    return layout.stage_identity("score", to_dict(cfg), leave_out=("rollout", "reward_workers", "on_nan"), inputs={
+        "rollout_id": rollout.get("rollout_id"), "shard_sha256": rollout.get("shard_sha256")})
+
+
+def _run(cfg: ScoreConfig, rewards: list[Reward] | None, rollout: dict, ident: dict) -> dict | None:
     import pyarrow as pa
 
     from tpkit import sd3
@@ -225,9 +235,9 @@ def _run(cfg: ScoreConfig, rewards: list[Reward] | None) -> dict | None:
 
     # 1. Check inputs and build every reward up front (a missing reward model fails here, not halfway).
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
-    rollout = layout.read_manifest(rollout_dir, "rollout")
     shards = layout.list_shards(rollout_dir)
-    if len(shards) != rollout["counts"]["shards"]:
+    if [s.name for s in shards] != rollout.get("shards", [s.name for s in shards]) or \
+            len(shards) != rollout["counts"]["shards"]:
         raise InputError(f"{rollout_dir}: {len(shards)} shards, the manifest lists {rollout['counts']['shards']}",
                          "rerun `tpkit rollout` with the same options to restore the missing shards")
     rewards = rewards or load_rewards(cfg.rewards, cfg.reward_options)
@@ -261,7 +271,10 @@ def _run(cfg: ScoreConfig, rewards: list[Reward] | None) -> dict | None:
                     results = scorer.score_shard(prompts, trajs, cfg.branches, advance)
                     rows, dropped = check_finite(rows_for_shard(trajs, results, cfg.branches), shard, cfg.on_nan)
                     with scorer.phases("write"):
-                        data = layout.parquet_bytes(pa.Table.from_pylist(rows))
+                        data = layout.parquet_bytes(scores_table(rows, rewards), {
+                            "stage": "score", "rollout_id": rollout.get("rollout_id"), "shard": shard.name,
+                            "shard_sha256": (rollout.get("shard_sha256") or {}).get(shard.name),
+                            "dropped_trajectories": dropped})
                     stats = {"counts": {"trajectories": len(trajs) - len(dropped), "dropped_nan": len(dropped),
                                         "rows": len(rows),
                                         **{k: v - counts_before[k] for k, v in vars(scorer.counters).items()}},
@@ -277,14 +290,30 @@ def _run(cfg: ScoreConfig, rewards: list[Reward] | None) -> dict | None:
         return None
     files = [target(s) for s in shards]
     stats = layout.sum_stats(files)
+    if not stats.get("counts", {}).get("trajectories"):
+        dropped = stats.get("counts", {}).get("dropped_nan", 0)
+        raise RewardError(f"every trajectory's reward is NaN or infinite ({dropped} dropped): nothing to score",
+                          "fix the reward function (no manifest was written; rerun with --overwrite after the fix)")
     return layout.write_manifest(
         out, "score", to_dict(cfg), inputs={"rollout": str(rollout_dir), "rollout_config": rollout["config"]},
-        rollout_id=rollout.get("rollout_id"),
+        identity=ident, rollout_id=rollout.get("rollout_id"),
         counts=stats.get("counts", {}), seconds=stats.get("seconds", {}),
         per_trajectory=per_trajectory_cost(stats.get("counts", {}), rollout["counts"]),
         reward_columns=["reward"] + [r.column for r in rewards], files=[f.name for f in files],
         dropped_trajectories=sorted(t for f in files for t in _sidecar(f).get("dropped_trajectories", [])),
     )
+
+
+def scores_table(rows: list[dict], rewards: list[Reward]):
+    """The rows as a table; with its columns even when --on-nan drop left no row of a shard."""
+    import pyarrow as pa
+
+    if rows:
+        return pa.Table.from_pylist(rows)
+    f64, i64, text = pa.float64(), pa.int64(), pa.string()
+    cols = [("trajectory_id", text), ("prompt_id", text), ("branch", i64), ("reward", f64),
+            *((r.column, f64) for r in rewards), ("member", i64), ("step_index", i64), ("sigma", f64), ("prompt", text)]
+    return pa.schema(cols).empty_table()
 
 
 def per_trajectory_cost(score_counts: dict, rollout_counts: dict) -> dict[str, float]:

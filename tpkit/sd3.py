@@ -407,14 +407,19 @@ def save_lora(transformer_or_state, config, folder: Path) -> None:
     """Save a diffusers-loadable adapter (pipe.load_lora_weights(folder)) atomically."""
     from diffusers import StableDiffusion3Pipeline
 
+    from tpkit.layout import umask
+
     state = transformer_or_state if isinstance(transformer_or_state, dict) else lora_state(transformer_or_state)
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
     try:
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700 whatever the umask
         StableDiffusion3Pipeline.save_lora_weights(
             tmp, transformer_lora_layers={k: v.detach().cpu() for k, v in state.items()},
             transformer_lora_adapter_metadata=config.to_dict())
+        for f in tmp.iterdir():  # safetensors writes 0600 files whatever the umask
+            os.chmod(f, 0o666 & ~umask())
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)

@@ -81,10 +81,71 @@ def read_advantages(folder: Path) -> dict[tuple[str, int], float]:
     missing = [c for c in ("trajectory_id", "step", "advantage") if c not in table.column_names]
     if missing:
         raise InputError(f"{folder}: advantages table lacks {', '.join(missing)}", "pass the folder written by `tpkit advantages`")
-    adv = np.asarray(table["advantage"].to_pylist(), dtype=np.float64)
+    adv = np.asarray([np.nan if a is None else a for a in table["advantage"].to_pylist()], dtype=np.float64)
+    tids = table["trajectory_id"].to_pylist()
     if not np.isfinite(adv).all():
-        raise InputError(f"{folder}: non-finite advantages", "recompute them with `tpkit advantages`")
-    return dict(zip(zip(table["trajectory_id"].to_pylist(), table["step"].to_pylist()), adv.tolist()))
+        bad = sorted({tids[i] for i in np.flatnonzero(~np.isfinite(adv))})
+        raise InputError(f"{folder}: NaN, infinite or missing advantage for {len(bad)} trajectories: {', '.join(bad[:8])}",
+                         "recompute them with `tpkit advantages` from finite scores")
+    return dict(zip(zip(tids, table["step"].to_pylist()), adv.tolist()))
+
+
+def identity(cfg: TrainConfig, rollout: dict, adv_files: list[Path]) -> dict:
+    """What a train folder holds: these options applied to this rollout, these advantages (their bytes)
+    and the adapter and state it continues (their contents). Options that only say when to save or
+    to stop (checkpoint_every, max_bad_steps, allow_no_op) may change on a resume."""
+    state = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
+    return layout.stage_identity("train", to_dict(cfg), inputs={
+        "rollout_id": rollout.get("rollout_id"),
+        "advantages_sha256": {f.name: layout.file_digest(f) for f in adv_files},
+        "init_lora_sha256": layout.tree_digest(policy_adapter(cfg.init_lora)) if cfg.init_lora else None,
+        "init_state_sha256": layout.tree_digest(state) if state and state.is_dir() else None},
+        leave_out=("rollout", "advantages", "init_lora", "checkpoint_every", "max_bad_steps", "allow_no_op"))
+
+
+def check_advantages_belong(rollout: dict, rollout_dir: Path, advantages: Path, adv_files: list[Path]) -> dict:
+    """The advantages must have been computed from this very rollout (whatever their form: folder or
+    file). Returns the advantages' metadata (dropped trajectories ...)."""
+    meta: dict = {}
+    for f in adv_files:
+        meta.update(layout.parquet_meta(f))
+    manifest = layout.read_manifest(advantages, "advantages") if Path(advantages).is_dir() else {}
+    source = layout.rollout_of(adv_files) or manifest.get("rollout_id")
+    if source is None:
+        raise InputError(f"{advantages}: these advantages do not say which rollout they were computed from",
+                         "compute them with `tpkit score` + `tpkit advantages` from this rollout (or give the "
+                         "scores table a rollout_id column with the rollout's id from its manifest.json)")
+    if source != rollout.get("rollout_id"):
+        raise InputError(f"{advantages} were computed from another rollout (id {source}) than {rollout_dir} "
+                         f"(id {rollout.get('rollout_id')})",
+                         "pass the rollout folder that was scored for these advantages (same round)")
+    return {"dropped_trajectories": meta.get("dropped_trajectories", manifest.get("dropped_trajectories", []))}
+
+
+def check_init_lora(cfg: TrainConfig) -> None:
+    """A previous round's adapter must have this train's LoRA shape (rank, alpha, targets)."""
+    if not cfg.init_lora:
+        return
+    adapter = policy_adapter(cfg.init_lora)
+    if not adapter.is_dir():
+        raise InputError(f"--init-lora {cfg.init_lora}: no such folder", "pass the adapter/ folder of a previous `tpkit train`")
+    rank = None
+    for f in sorted(adapter.glob("*.safetensors")):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                key = next((k for k in st.keys() if "lora_A" in k), None)
+                rank = st.get_slice(key).get_shape()[0] if key else None
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise InputError(f"{f}: not a readable LoRA adapter ({e})", "pass the adapter/ folder of a previous `tpkit train`") from None
+        break
+    if rank is None:
+        raise InputError(f"--init-lora {cfg.init_lora}: no LoRA weights (*.safetensors with lora_A) in {adapter}",
+                         "pass the adapter/ folder of a previous `tpkit train`")
+    if rank != cfg.lora_rank:
+        raise InputError(f"--init-lora {cfg.init_lora} is a LoRA of rank {rank}, this train uses --lora-rank {cfg.lora_rank}",
+                         f"pass --lora-rank {rank} (and that round's --lora-alpha), or train without --init-lora")
 
 
 def zero_advantage_trajectories(adv: dict[tuple[str, int], float]) -> set[str]:
@@ -162,11 +223,15 @@ def plan_steps(batches: list[MicroBatch], cfg: TrainConfig, global_step: int) ->
 def run(cfg: TrainConfig) -> dict:
     cfg.validate()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    with layout.stage_lock(Path(cfg.out), rank, cfg.overwrite, world):
-        return _run(cfg)
+    rollout = layout.read_manifest(Path(cfg.rollout), "rollout")
+    adv_files = layout.parquet_files(Path(cfg.advantages), "advantages")
+    ident = identity(cfg, rollout, adv_files)
+    with layout.stage_lock(Path(cfg.out), rank, cfg.overwrite, world, ident,
+                           inputs=(cfg.rollout, cfg.advantages, cfg.init_lora)):
+        return _run(cfg, rollout, adv_files, ident)
 
 
-def _run(cfg: TrainConfig) -> dict:
+def _run(cfg: TrainConfig, rollout: dict, adv_files: list[Path], ident: dict) -> dict:
     from accelerate import Accelerator
 
     from tpkit import sd3
@@ -177,16 +242,18 @@ def _run(cfg: TrainConfig) -> dict:
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     phases = Phases("cpu" if on_cpu else sd3.pick_device(cfg.device))
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
-    rollout = layout.read_manifest(rollout_dir, "rollout")
-    adv_manifest = layout.read_manifest(cfg.advantages, "advantages")
-    if adv_manifest.get("rollout_id") and adv_manifest["rollout_id"] != rollout.get("rollout_id"):
-        raise InputError(f"{cfg.advantages} were computed from another rollout than {rollout_dir}",
-                         "pass the rollout folder that was scored for these advantages (same round)")
+    adv_manifest = check_advantages_belong(rollout, rollout_dir, Path(cfg.advantages), adv_files)
+    check_init_lora(cfg)
     with phases("read"):
         adv = read_advantages(Path(cfg.advantages))
         zero = zero_advantage_trajectories(adv) if cfg.drop_zero_advantage else set()
         batches, embeds, meta = load_micro_batches(rollout_dir, adv, cfg,
                                                    set(adv_manifest.get("dropped_trajectories", [])), zero)
+    no_op = not any(b.has_gradient(cfg.beta) for b in batches)
+    if no_op and not cfg.allow_no_op:
+        raise TrainError(f"nothing to learn from: every advantage is 0 ({len({tid for tid, _ in adv})} trajectories)",
+                         "check the rewards: a constant reward, or groups of one member, give no advantage "
+                         "(`tpkit inspect` the score and advantages folders); --allow-no-op accepts such a round")
     init_lora = str(policy_adapter(cfg.init_lora)) if cfg.init_lora else None  # not the EMA of an EMA run
     state_in = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
     trainer_state = json.loads((state_in / "trainer.json").read_text()) if state_in and (state_in / "trainer.json").is_file() else {}
@@ -224,13 +291,9 @@ def _run(cfg: TrainConfig) -> dict:
                     guidance=meta["guidance"])
 
     # 3. Optimizer steps: each accumulates its share of micro-batches, then clips and steps.
-    if not any(b.has_gradient(cfg.beta) for b in batches):
-        raise TrainError(f"nothing to learn from: every advantage is 0 ({len({tid for tid, _ in adv})} trajectories)",
-                         "check the rewards: a constant reward, or groups of one member, give no advantage "
-                         "(`tpkit inspect` the score and advantages folders)")
-    steps = plan_steps(batches, cfg, round_start)
+    steps = plan_steps(batches, cfg, round_start) if not no_op else []
     computed = [[b for b in s if b.has_gradient(cfg.beta)] for s in steps]
-    if accelerator.num_processes > 1 and min(len(s) for s in computed) < accelerator.num_processes:
+    if accelerator.num_processes > 1 and computed and min(len(s) for s in computed) < accelerator.num_processes:
         raise TrainError(f"{min(len(s) for s in computed)} micro-batches in an optimizer step for "
                          f"{accelerator.num_processes} processes", "use fewer --optimizer-steps or a larger rollout")
     with track(sum(len(s) for s in computed), "train micro-batches") as advance:
@@ -277,7 +340,13 @@ def _run(cfg: TrainConfig) -> dict:
                             "metrics": metrics, "bad_in_row": bad_in_row})
                     accelerator.wait_for_everyone()
 
-    # 4. Save (main process): adapter, EMA adapter, optimizer/EMA state, metrics, then the manifest.
+    # 4. A round whose every optimizer step was non-finite learned nothing: an error, not "done".
+    if metrics and not any(m["finite"] for m in metrics) and not cfg.allow_no_op:
+        raise TrainError(f"every optimizer step ({len(metrics)}) had a non-finite loss or gradient: nothing was learned",
+                         "lower --learning-rate, check the rewards and advantages (`tpkit inspect`), "
+                         "or pass --allow-no-op to accept such a round")
+
+    # 5. Save (main process): adapter, EMA adapter, optimizer/EMA state, metrics, then the manifest.
     accelerator.wait_for_everyone()
     manifest = None
     if accelerator.is_main_process:
@@ -294,7 +363,8 @@ def _run(cfg: TrainConfig) -> dict:
         manifest = layout.write_manifest(
             out, "train", to_dict(cfg),
             inputs={"rollout": str(rollout_dir), "advantages": str(cfg.advantages), "init_lora": cfg.init_lora,
-                    "model": rollout["config"]["model"]},
+                    "model": rollout["config"]["model"]}, identity=ident, rollout_id=rollout.get("rollout_id"),
+            no_op=no_op or not any(m["finite"] for m in metrics),
             # Model work of the whole stage, all processes (a CFG pair counts once): each transition is one
             # forward with gradients and its backward, plus one reference forward when beta > 0.
             counts={"optimizer_steps": len(metrics), "micro_batches": sum(len(s) for s in computed),
