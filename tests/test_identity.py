@@ -32,6 +32,9 @@ REWARDS = textwrap.dedent("""
 
     def const(images, prompts, metadata):
         return [1.0] * len(images)
+
+    def nan_once(images, prompts, metadata):
+        return [float("nan")] + [1.0] * (len(images) - 1)
 """)
 
 
@@ -215,6 +218,41 @@ def test_a_table_that_names_no_rollout_does_not_train(base, tmp_path, capfd):
     assert cli("train", "--rollout", base / "R", "--advantages", tmp_path / "A2", "--out", tmp_path / "T", *TRAIN) == 0
 
 
+def test_a_glob_of_scores_files_carries_the_rollout_too(base, tmp_path):
+    rid = json.loads((base / "R" / layout.MANIFEST).read_text())["rollout_id"]
+    assert cli("advantages", str(base / "S" / "scores-*.parquet"), "--out", tmp_path / "A") == 0
+    m = json.loads((tmp_path / "A" / layout.MANIFEST).read_text())
+    assert m["rollout_id"] == rid and m["counts"]["trajectories"] == 4
+    assert sorted(m["identity"]["inputs"]["scores_sha256"]) == ["scores-r000-00000.parquet", "scores-r000-00001.parquet"]
+
+
+def test_an_unfinished_or_padded_score_folder_is_refused(base, tmp_path, capfd):
+    import shutil
+
+    scores = tmp_path / "S"
+    shutil.copytree(base / "S", scores)
+    shutil.copy(scores / "scores-r000-00000.parquet", scores / "scores-r000-00007.parquet")
+    capfd.readouterr()
+    refused(capfd, cli("advantages", scores, "--out", tmp_path / "A"), "scores-r000-00007.parquet", "manifest")
+    (scores / "scores-r000-00007.parquet").unlink()
+    (scores / layout.MANIFEST).unlink()
+    refused(capfd, cli("advantages", scores, "--out", tmp_path / "A"), "did not finish")
+    assert not (tmp_path / "A").exists()
+
+
+def test_a_shard_swapped_after_the_rollout_is_refused(base, tmp_path, capfd):
+    """A valid shard of another rollout (same name, same trajectory ids) put in place of this one's."""
+    import shutil
+
+    rollout = tmp_path / "R"
+    shutil.copytree(base / "R", rollout)
+    shutil.copy(base / "R2" / "shard-r000-00001.tar", rollout / "shard-r000-00001.tar")
+    capfd.readouterr()
+    refused(capfd, cli("score", rollout, "--out", tmp_path / "S"), "shard-r000-00001.tar", "changed")
+    refused(capfd, cli("train", "--rollout", rollout, "--advantages", base / "A", "--out", tmp_path / "T", *TRAIN),
+            "shard-r000-00001.tar", "changed")
+
+
 # --------------------------------------------------------------------------------------------
 # 3. Numbers are checked where they enter
 # --------------------------------------------------------------------------------------------
@@ -251,6 +289,10 @@ def test_non_finite_numbers_in_a_shard_are_named_errors(base, tmp_path, capfd, t
     shard = layout.list_shards(rollout)[1]
     key = layout.read_shard(shard, load_tensors=False)[1][0].trajectory_id
     _poison_shard(shard, key, tensor)
+    # as if the rollout itself had written it (a diverged policy): the manifest lists its digest
+    m = json.loads((rollout / layout.MANIFEST).read_text())
+    m["shard_sha256"][shard.name] = hashlib.sha256(shard.read_bytes()).hexdigest()
+    (rollout / layout.MANIFEST).write_text(json.dumps(m))
     capfd.readouterr()
     refused(capfd, cli("score", rollout, "--out", tmp_path / "S"), shard.name, key, tensor, "NaN")
     refused(capfd, cli("train", "--rollout", rollout, "--advantages", base / "A", "--out", tmp_path / "T", *TRAIN),
@@ -280,6 +322,13 @@ def test_every_reward_nan_with_drop_is_an_error_and_no_manifest(base, tmp_path, 
                "--on-nan", "drop", "--branches", "final")
     refused(capfd, code, "every trajectory", "NaN")
     assert not (tmp_path / "S" / layout.MANIFEST).exists()
+
+
+def test_a_nan_reward_in_eval_is_an_error(base, tmp_path, capfd, rewards_on_path):
+    code = cli("eval", "reward", "--prompts", base / "two.txt", "--reward", "tpk_identity_rewards:nan_once",
+               "--out", tmp_path / "E", "--steps", "2", "--images-per-prompt", "2")
+    refused(capfd, code, "p00000", "NaN")
+    assert not (tmp_path / "E" / layout.MANIFEST).exists()
 
 
 # --------------------------------------------------------------------------------------------

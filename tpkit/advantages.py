@@ -186,6 +186,7 @@ def summary(m: RewardMatrix, a: Advantages) -> dict:
 def run(cfg: AdvantagesConfig) -> dict:
     cfg.validate()
     files = layout.parquet_files(Path(cfg.scores), "score")
+    check_scores_folder(Path(cfg.scores), files)
     ident = identity(cfg, files)
     with layout.stage_lock(Path(cfg.out), 0, cfg.overwrite, identity=ident, inputs=(cfg.scores,)):
         return _run(cfg, files, ident)
@@ -194,7 +195,21 @@ def run(cfg: AdvantagesConfig) -> dict:
 def identity(cfg: AdvantagesConfig, files: list[Path]) -> dict:
     """What an advantages folder holds: these options applied to these scores files (their bytes)."""
     return layout.stage_identity("advantages", to_dict(cfg), leave_out=("scores",), inputs={
-        "scores_sha256": {f.name: layout.file_digest(f) for f in files}})
+        "scores_sha256": layout.digests(files)})
+
+
+def check_scores_folder(scores: Path, files: list[Path]) -> None:
+    """A `tpkit score` folder must be finished, and hold exactly the files its manifest lists."""
+    held = layout.folder_identity(scores) if scores.is_dir() else None
+    if not held or held.get("stage") != "score":
+        return  # a single file, a glob, or a folder of tables from elsewhere
+    manifest = layout.read_manifest(scores, "score")
+    listed = manifest.get("files")
+    if listed is not None and sorted(f.name for f in files) != sorted(listed):
+        extra = sorted({f.name for f in files} - set(listed))
+        raise InputError(f"{scores}: its Parquet files are not the ones its manifest lists"
+                         + (f" (extra: {', '.join(extra[:4])})" if extra else ""),
+                         "remove files you added, or rerun `tpkit score` with --overwrite")
 
 
 def _run(cfg: AdvantagesConfig, files: list[Path], ident: dict) -> dict:

@@ -93,6 +93,12 @@ def score_prompt_rewards(rewards, prompt: layout.Prompt, images: list) -> list[d
     from tpkit.rewards import score_images
 
     cols = score_images(rewards, images, [prompt.prompt] * len(images), [prompt.metadata] * len(images))
+    bad = sorted({j for vals in cols.values() for j, v in enumerate(vals) if not math.isfinite(v)})
+    if bad:
+        from tpkit.errors import RewardError
+
+        raise RewardError(f"prompt {prompt.prompt_id} ({prompt.prompt!r}): reward is NaN or infinite for image(s) "
+                          f"{', '.join(map(str, bad))}", "fix the reward function; nothing was written for this prompt")
     return [{name: vals[j] for name, vals in cols.items()} for j in range(len(images))]
 
 

@@ -474,6 +474,14 @@ def _members(path: Path) -> Iterator[tuple[str, str, bytes]]:
                          "delete it and rerun `tpkit rollout` with the same options to rewrite it") from None
 
 
+def check_shard(path: Path, rollout_manifest: dict) -> None:
+    """A shard must still be the one its rollout wrote (the manifest records each shard's sha256)."""
+    want = (rollout_manifest.get("shard_sha256") or {}).get(Path(path).name)
+    if want and file_digest(path) != want:
+        raise InputError(f"{path}: changed since `tpkit rollout` wrote it (its sha256 is not the manifest's)",
+                         "rerun `tpkit rollout` with --overwrite, or put the rollout's own shard back")
+
+
 def read_shard(path: Path, load_tensors: bool = True) -> tuple[dict[str, PromptRecord], list[TrajectoryRecord]]:
     """Prompts (by prompt_id) and trajectories of one shard, validated against the schema."""
     path = Path(path)
@@ -572,7 +580,19 @@ def parquet_files(path: Path, what: str) -> list[Path]:
         return files
     if path.is_file():
         return [path]
+    if any(c in str(path) for c in "*?["):  # a quoted glob pattern
+        import glob
+
+        files = sorted(Path(f) for f in glob.glob(str(path)) if Path(f).is_file())
+        if files:
+            return files
     raise InputError(f"{path}: no such file or folder", "check the path")
+
+
+def digests(files: list[Path]) -> dict[str, str]:
+    """{name: sha256} of input files (the path where names repeat, as a glob over folders gives)."""
+    names = [f.name for f in files]
+    return {(f.name if names.count(f.name) == 1 else str(f)): file_digest(f) for f in files}
 
 
 def parquet_meta(path: Path) -> dict:

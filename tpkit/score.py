@@ -265,7 +265,8 @@ def _run(cfg: ScoreConfig, rewards: list[Reward] | None, rollout: dict, ident: d
                 for shard in todo:
                     counts_before, seconds_before = vars(scorer.counters).copy(), dict(scorer.phases.seconds)
                     with scorer.phases("read"):
-                        prompts, trajs = layout.read_shard(shard)
+                        prompts, trajs = layout.read_shard(shard)  # what is wrong with it, if anything
+                        layout.check_shard(shard, rollout)  # a valid shard, but is it the rollout's?
                         reference = reference or {k: trajs[0].meta.get(k) for k in SHARED_SETTINGS}
                         check_rollout(trajs, reference, shard)
                     results = scorer.score_shard(prompts, trajs, cfg.branches, advance)

@@ -97,7 +97,7 @@ def identity(cfg: TrainConfig, rollout: dict, adv_files: list[Path]) -> dict:
     state = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
     return layout.stage_identity("train", to_dict(cfg), inputs={
         "rollout_id": rollout.get("rollout_id"),
-        "advantages_sha256": {f.name: layout.file_digest(f) for f in adv_files},
+        "advantages_sha256": layout.digests(adv_files),
         "init_lora_sha256": layout.tree_digest(policy_adapter(cfg.init_lora)) if cfg.init_lora else None,
         "init_state_sha256": layout.tree_digest(state) if state and state.is_dir() else None},
         leave_out=("rollout", "advantages", "init_lora", "checkpoint_every", "max_bad_steps", "allow_no_op"))
@@ -155,7 +155,7 @@ def zero_advantage_trajectories(adv: dict[tuple[str, int], float]) -> set[str]:
 
 
 def load_micro_batches(rollout_dir: Path, adv: dict, cfg: TrainConfig, dropped: set[str] = frozenset(),
-                       zero: set[str] = frozenset()) -> tuple[list[MicroBatch], dict, dict]:
+                       zero: set[str] = frozenset(), manifest: dict | None = None) -> tuple[list[MicroBatch], dict, dict]:
     """All transitions of the rollout with their advantages, grouped as the rollout batched them.
 
     Trajectories that score dropped on purpose (`dropped`, from --on-nan drop) are left out; any
@@ -170,6 +170,8 @@ def load_micro_batches(rollout_dir: Path, adv: dict, cfg: TrainConfig, dropped: 
     meta0 = None
     for shard in layout.list_shards(rollout_dir):
         prompts, trajs = layout.read_shard(shard)
+        if manifest is not None:
+            layout.check_shard(shard, manifest)
         embeds.update({pid: p.embeds for pid, p in prompts.items()})
         for t in trajs:
             m, tens = t.meta, t.tensors
@@ -248,7 +250,7 @@ def _run(cfg: TrainConfig, rollout: dict, adv_files: list[Path], ident: dict) ->
         adv = read_advantages(Path(cfg.advantages))
         zero = zero_advantage_trajectories(adv) if cfg.drop_zero_advantage else set()
         batches, embeds, meta = load_micro_batches(rollout_dir, adv, cfg,
-                                                   set(adv_manifest.get("dropped_trajectories", [])), zero)
+                                                   set(adv_manifest.get("dropped_trajectories", [])), zero, rollout)
     no_op = not any(b.has_gradient(cfg.beta) for b in batches)
     if no_op and not cfg.allow_no_op:
         raise TrainError(f"nothing to learn from: every advantage is 0 ({len({tid for tid, _ in adv})} trajectories)",
