@@ -414,6 +414,24 @@ def test_bare_command_prints_help_and_exits_0(args):
     assert "usage" in out and "error" not in out and "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize("extra, words", [
+    (["--beta", "nan"], ["beta", "finite"]),
+    (["--learning-rate", "inf"], ["learning_rate", "finite"]),
+    (["--learning-rate", "1e38"], ["learning_rate", "above 1e6"]),
+    (["--init-lora", "/nonexistent/adapter"], ["--init-lora", "/nonexistent/adapter"]),
+])
+def test_unusable_train_values_are_refused_before_any_work(base, tmp_path, capfd, extra, words):
+    code = cli("train", "--rollout", base / "R", "--advantages", base / "A", "--out", tmp_path / "T", *TRAIN, *extra)
+    refused(capfd, code, *words)
+    assert not (tmp_path / "T").exists()
+
+
+def test_a_missing_policy_lora_is_named(base, tmp_path, capfd):
+    code = cli("rollout", "--prompts", base / "two.txt", "--out", tmp_path / "R", *SMALL, "--lora", "/nonexistent/adapter")
+    refused(capfd, code, "--lora /nonexistent/adapter")
+    assert not (tmp_path / "R").exists()
+
+
 def test_lora_rank_mismatch_names_both_ranks(base, tmp_path, capfd):
     assert cli("train", "--rollout", base / "R", "--advantages", base / "A", "--out", tmp_path / "T", *TRAIN) == 0
     capfd.readouterr()

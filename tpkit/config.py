@@ -78,6 +78,9 @@ def check_types(cfg: Any, section: str = "") -> None:
             want = str(f.type).replace("|", " or ")
             raise ConfigError(f"{key} = {getattr(cfg, f.name)!r} is not of type {want}",
                               f"set {key} to a {want} value (strings in TOML need quotes: true/false for booleans)")
+        if isinstance(value, float) and not math.isfinite(value):  # `--beta nan` would train on NaN losses
+            key = f"{section}.{f.name}" if section else f.name
+            raise ConfigError(f"{key} = {value} is not a finite number", f"set {key} to a finite number")
         setattr(cfg, f.name, value)
 
 
@@ -298,6 +301,9 @@ class TrainConfig:
         _positive("beta", self.beta, allow_zero=True)
         _positive("micro_batch_size", self.micro_batch_size, allow_zero=True)
         _positive("checkpoint_every", self.checkpoint_every, allow_zero=True)
+        if self.learning_rate > 1e6:  # AdamW moves each weight by about the learning rate per step
+            raise ConfigError(f"learning_rate = {self.learning_rate} is above 1e6 (float32 overflows in AdamW)",
+                              "use e.g. 3e-4 (the paper's)")
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"ema_decay = {self.ema_decay} is not in [0, 1)", "use e.g. 0.9 (the release's)")
         unknown = set(self.lora_targets) - set(LORA_TARGETS + LORA_TARGETS_ATTN2)

@@ -131,7 +131,7 @@ def identity(cfg: EvalConfig) -> dict:
     prompts = Path(cfg.prompts) if cfg.prompts else None
     return layout.stage_identity(f"eval-{cfg.kind}", to_dict(cfg), leave_out=("prompts", "lora", "grid_prompts"), inputs={
         "prompts_sha256": layout.file_digest(prompts) if prompts and prompts.is_file() else None,
-        "lora_sha256": layout.tree_digest(cfg.lora)})
+        "lora_sha256": layout.tree_digest(cfg.lora, "--lora")})
 
 
 def _run(cfg: EvalConfig, ident: dict) -> dict | None:

@@ -187,15 +187,16 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def tree_digest(path: str | Path | None) -> str | None:
-    """Content digest of a file, or of a folder's visible files (names and bytes); None for no path."""
+def tree_digest(path: str | Path | None, flag: str = "") -> str | None:
+    """Content digest of a file, or of a folder's visible files (names and bytes); None for no path.
+    flag: the option that named the path, for the error when it does not exist."""
     if not path:
         return None
     path = Path(path)
     if path.is_file():
         return file_digest(path)
     if not path.is_dir():
-        raise InputError(f"{path}: no such file or folder", "check the path")
+        raise InputError(f"{flag + ' ' if flag else ''}{path}: no such file or folder", "check the path")
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(path).parts)):
         h.update(f"{f.relative_to(path)}\0{file_digest(f)}\0".encode())
@@ -239,7 +240,8 @@ def _mismatch(folder: Path, held: dict, want: dict) -> str | None:
     if held.get("stage") is None:
         return f"{folder} already holds files that tpkit did not write (no {STAGE_FILE})"
     if held["stage"] != want["stage"]:
-        return f"{folder} holds the output of `tpkit {held['stage']}`, not of `tpkit {want['stage']}`"
+        name = lambda stage: str(stage).replace("eval-", "eval ")  # noqa: E731  (eval-reward is `tpkit eval reward`)
+        return f"{folder} holds the output of `tpkit {name(held['stage'])}`, not of `tpkit {name(want['stage'])}`"
     if held.get("id") == want["id"]:
         return None
     if "options" not in held:

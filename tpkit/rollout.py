@@ -194,7 +194,7 @@ def identity(cfg: RolloutConfig) -> dict:
     LoRA's contents, not where they are, where the output goes or how many processes write it."""
     return layout.stage_identity("rollout", to_dict(cfg), leave_out=("prompts", "lora"), inputs={
         "prompts_sha256": layout.file_digest(Path(cfg.prompts)) if Path(cfg.prompts).is_file() else None,
-        "lora_sha256": layout.tree_digest(cfg.lora)})
+        "lora_sha256": layout.tree_digest(cfg.lora, "--lora")})
 
 
 def rollout_id(cfg: RolloutConfig) -> str:

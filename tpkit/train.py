@@ -227,6 +227,7 @@ def run(cfg: TrainConfig) -> dict:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     rollout = layout.read_manifest(Path(cfg.rollout), "rollout")
     adv_files = layout.parquet_files(Path(cfg.advantages), "advantages")
+    check_init_lora(cfg)
     ident = identity(cfg, rollout, adv_files)
     with layout.stage_lock(Path(cfg.out), rank, cfg.overwrite, world, ident,
                            inputs=(cfg.rollout, cfg.advantages, cfg.init_lora)):
@@ -245,7 +246,6 @@ def _run(cfg: TrainConfig, rollout: dict, adv_files: list[Path], ident: dict) ->
     phases = Phases("cpu" if on_cpu else sd3.pick_device(cfg.device))
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
     adv_manifest = check_advantages_belong(rollout, rollout_dir, Path(cfg.advantages), adv_files)
-    check_init_lora(cfg)
     with phases("read"):
         adv = read_advantages(Path(cfg.advantages))
         zero = zero_advantage_trajectories(adv) if cfg.drop_zero_advantage else set()
@@ -347,6 +347,9 @@ def _run(cfg: TrainConfig, rollout: dict, adv_files: list[Path], ident: dict) ->
         raise TrainError(f"every optimizer step ({len(metrics)}) had a non-finite loss or gradient: nothing was learned",
                          "lower --learning-rate, check the rewards and advantages (`tpkit inspect`), "
                          "or pass --allow-no-op to accept such a round")
+
+    if not all(bool(torch.isfinite(v).all()) for v in sd3.lora_state(accelerator.unwrap_model(transformer)).values()):
+        raise TrainError("the trained LoRA holds NaN or infinite weights", "lower --learning-rate (nothing was saved)")
 
     # 5. Save (main process): adapter, EMA adapter, optimizer/EMA state, metrics, then the manifest.
     accelerator.wait_for_everyone()
