@@ -6,6 +6,7 @@ holds; its resolved form (`asdict`) is saved into the stage's manifest.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
