@@ -151,6 +151,24 @@ def test_a_stage_never_writes_into_another_stages_folder(base, tmp_path, capfd):
     assert sorted(p.name for p in mine.iterdir()) == ["thesis.tex"]
 
 
+def test_overwrite_with_a_bad_input_loses_nothing(base, tmp_path, capfd):
+    """--overwrite clears the folder only once every input has been checked: a typo keeps the old results."""
+    import shutil
+
+    for name in ("R", "S", "A"):
+        shutil.copytree(base / name, tmp_path / name)
+    assert cli("train", "--rollout", base / "R", "--advantages", base / "A", "--out", tmp_path / "T", *TRAIN) == 0
+    before = {name: snapshot(tmp_path / name) for name in ("R", "S", "A", "T")}
+    capfd.readouterr()
+    refused(capfd, cli("score", base / "R", "--out", tmp_path / "S", "--overwrite", "--reward", "nope"), "nope")
+    refused(capfd, cli("advantages", tmp_path / "nope", "--out", tmp_path / "A", "--overwrite"), "nope")
+    refused(capfd, cli("train", "--rollout", base / "R2", "--advantages", base / "A", "--out", tmp_path / "T",
+                       *TRAIN, "--overwrite"), "another rollout")
+    refused(capfd, cli("rollout", "--prompts", tmp_path / "missing.txt", "--out", tmp_path / "R", *SMALL, "--overwrite"),
+            "missing.txt")
+    assert {name: snapshot(tmp_path / name) for name in ("R", "S", "A", "T")} == before
+
+
 def test_score_of_a_changed_rollout_is_refused(base, tmp_path, capfd):
     """The issue's case: the rollout redone with another seed, then scored into the old score folder."""
     import shutil

@@ -185,11 +185,27 @@ def summary(m: RewardMatrix, a: Advantages) -> dict:
 
 def run(cfg: AdvantagesConfig) -> dict:
     cfg.validate()
-    files = layout.parquet_files(Path(cfg.scores), "score")
-    check_scores_folder(Path(cfg.scores), files)
+    phases = Phases()
+    # 1. Read the scores (a folder of Parquet files, one file or a glob) and the rollout they belong to.
+    with phases("read"):
+        files = layout.parquet_files(Path(cfg.scores), "score")
+        check_scores_folder(Path(cfg.scores), files)
+        table = layout.read_parquet_tables(Path(cfg.scores), "score")
+        rollout_id = layout.rollout_of(files, table) or _from_score_manifest(Path(cfg.scores)).get("rollout_id")
+        dropped = sorted({t for f in files for t in layout.parquet_meta(f).get("dropped_trajectories", [])}
+                         | set(_from_score_manifest(Path(cfg.scores)).get("dropped_trajectories", [])))
+
+    with phases("compute"):
+        # 2. Arrange R_k per trajectory, refusing gaps, duplicates, NaN.
+        m = reward_matrix(table, str(cfg.scores), cfg.method)
+
+        # 3. Step rewards, turning points, balancing, shaped rewards, group-normalised advantages.
+        a = compute(m, cfg.method, cfg.balance, cfg.std)
+
+    # 4. Only now (every input checked) claim the output folder, write the table, then the manifest.
     ident = identity(cfg, files)
     with layout.stage_lock(Path(cfg.out), 0, cfg.overwrite, identity=ident, inputs=(cfg.scores,)):
-        return _run(cfg, files, ident)
+        return _write(cfg, m, a, rollout_id, dropped, ident, phases)
 
 
 def identity(cfg: AdvantagesConfig, files: list[Path]) -> dict:
@@ -212,23 +228,9 @@ def check_scores_folder(scores: Path, files: list[Path]) -> None:
                          "remove files you added, or rerun `tpkit score` with --overwrite")
 
 
-def _run(cfg: AdvantagesConfig, files: list[Path], ident: dict) -> dict:
-    phases = Phases()
-    # 1. Read the scores (a folder of Parquet files or one file) and the rollout they belong to.
-    with phases("read"):
-        table = layout.read_parquet_tables(Path(cfg.scores), "score")
-        rollout_id = layout.rollout_of(files, table) or _from_score_manifest(Path(cfg.scores)).get("rollout_id")
-        dropped = sorted({t for f in files for t in layout.parquet_meta(f).get("dropped_trajectories", [])}
-                         | set(_from_score_manifest(Path(cfg.scores)).get("dropped_trajectories", [])))
-
-    with phases("compute"):
-        # 2. Arrange R_k per trajectory, refusing gaps, duplicates, NaN.
-        m = reward_matrix(table, str(cfg.scores), cfg.method)
-
-        # 3. Step rewards, turning points, balancing, shaped rewards, group-normalised advantages.
-        a = compute(m, cfg.method, cfg.balance, cfg.std)
-
-    # 4. Write the table (saying which rollout it belongs to), then the manifest (with the summary the CLI shows).
+def _write(cfg: AdvantagesConfig, m: RewardMatrix, a: Advantages, rollout_id: str | None, dropped: list[str],
+           ident: dict, phases: Phases) -> dict:
+    # The table says which rollout it belongs to; the manifest has the summary the CLI shows.
     out = Path(cfg.out)
     with phases("write"):
         layout.write_parquet(out / layout.ADVANTAGES_FILE, to_table(m, a, cfg.method), {

@@ -119,28 +119,8 @@ def _jsonable(x):
 def run(cfg: EvalConfig) -> dict | None:
     """Run (or finish) an evaluation; returns the manifest once every prompt is done."""
     cfg.validate()
-    ident = identity(cfg)
-    with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size, ident,
-                           inputs=(cfg.prompts, cfg.images, cfg.lora)):
-        return _run(cfg, ident)
-
-
-def identity(cfg: EvalConfig) -> dict:
-    """What an eval folder holds: these options for this model, LoRA (its contents) and prompts (their
-    bytes; GenEval's regenerated set when none) or judged image folder."""
-    prompts = Path(cfg.prompts) if cfg.prompts else None
-    return layout.stage_identity(f"eval-{cfg.kind}", to_dict(cfg), leave_out=("prompts", "lora", "grid_prompts"), inputs={
-        "prompts_sha256": layout.file_digest(prompts) if prompts and prompts.is_file() else None,
-        "lora_sha256": layout.tree_digest(cfg.lora, "--lora")})
-
-
-def _run(cfg: EvalConfig, ident: dict) -> dict | None:
-    from tpkit import sd3
-    from tpkit.rewards import load_rewards
-    from tpkit.ui import track
-
-    # 1. Check inputs: prompts (or an existing image folder), then build the scorers up front.
-    out = Path(cfg.out)
+    # 1. Check inputs: prompts (or an existing image folder), then build the scorers up front
+    # (before --overwrite clears anything).
     prompts, folders = _load_prompts(cfg)
     if cfg.kind == "geneval":
         from tpkit import geneval
@@ -153,8 +133,30 @@ def _run(cfg: EvalConfig, ident: dict) -> dict | None:
                                  "pass GenEval metadata (evaluation_metadata.jsonl or `tpkit prompts geneval`)") from None
         scorer = _geneval_scorer(cfg)
     else:
+        from tpkit.rewards import load_rewards
+
         rewards = load_rewards(cfg.rewards, cfg.reward_options)
         scorer = lambda p, images: score_prompt_rewards(rewards, p, images)  # noqa: E731
+    ident = identity(cfg)
+    with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size, ident,
+                           inputs=(cfg.prompts, cfg.images, cfg.lora)):
+        return _run(cfg, ident, prompts, folders, scorer)
+
+
+def identity(cfg: EvalConfig) -> dict:
+    """What an eval folder holds: these options for this model, LoRA (its contents) and prompts (their
+    bytes; GenEval's regenerated set when none) or judged image folder."""
+    prompts = Path(cfg.prompts) if cfg.prompts else None
+    return layout.stage_identity(f"eval-{cfg.kind}", to_dict(cfg), leave_out=("prompts", "lora", "grid_prompts"), inputs={
+        "prompts_sha256": layout.file_digest(prompts) if prompts and prompts.is_file() else None,
+        "lora_sha256": layout.tree_digest(cfg.lora, "--lora")})
+
+
+def _run(cfg: EvalConfig, ident: dict, prompts: list[layout.Prompt], folders: list[Path], scorer: Callable) -> dict | None:
+    from tpkit import sd3
+    from tpkit.ui import track
+
+    out = Path(cfg.out)
 
     # 2. This rank's generation batches, and their prompts that have no results yet.
     def unfinished(i: int) -> bool:

@@ -138,19 +138,19 @@ def write_shard(model, cfg: RolloutConfig, prompts: list[Prompt], sigmas: list[f
 def run(cfg: RolloutConfig) -> dict | None:
     """Run (or finish) a rollout. Returns the manifest once every shard exists, else None."""
     cfg.validate()
+    prompts = choose_prompts(layout.load_prompts(Path(cfg.prompts)), cfg)  # checked before --overwrite clears anything
     ident = identity(cfg)
     with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size, ident,
                            inputs=(cfg.prompts, cfg.lora)):
-        return _run(cfg, ident)
+        return _run(cfg, ident, prompts)
 
 
-def _run(cfg: RolloutConfig, ident: dict) -> dict | None:
+def _run(cfg: RolloutConfig, ident: dict, prompts: list[Prompt]) -> dict | None:
     from tpkit import sd3
     from tpkit.ui import track
 
-    # 1. Check inputs and plan the work: shards of whole prompt groups, this rank's share.
+    # 1. Plan the work: shards of whole prompt groups, this rank's share.
     out = Path(cfg.out)
-    prompts = choose_prompts(layout.load_prompts(Path(cfg.prompts)), cfg)
     shards = plan_shards(prompts, cfg.prompts_per_shard)
     start = draw_window_start(cfg)
 

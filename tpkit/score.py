@@ -213,10 +213,18 @@ def run(cfg: ScoreConfig, rewards: list[Reward] | None = None) -> dict | None:
     `rewards`: already built rewards (`tpkit run` builds them once for all rounds), else built
     here from cfg.rewards / cfg.reward_options."""
     cfg.validate()
+    # 1. Check inputs and build every reward up front (a missing reward model fails here, not halfway,
+    # and before --overwrite clears anything).
     rollout = layout.read_manifest(Path(cfg.rollout), "rollout")
+    shards = layout.list_shards(Path(cfg.rollout))
+    if [s.name for s in shards] != rollout.get("shards", [s.name for s in shards]) or \
+            len(shards) != rollout["counts"]["shards"]:
+        raise InputError(f"{cfg.rollout}: {len(shards)} shards, the manifest lists {rollout['counts']['shards']}",
+                         "rerun `tpkit rollout` with the same options to restore the missing shards")
+    rewards = rewards or load_rewards(cfg.rewards, cfg.reward_options)
     ident = identity(cfg, rollout)
     with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size, ident, inputs=(cfg.rollout,)):
-        return _run(cfg, rewards, rollout, ident)
+        return _run(cfg, rewards, rollout, shards, ident)
 
 
 def identity(cfg: ScoreConfig, rollout: dict) -> dict:
@@ -227,20 +235,13 @@ def identity(cfg: ScoreConfig, rollout: dict) -> dict:
         "rollout_id": rollout.get("rollout_id"), "shard_sha256": rollout.get("shard_sha256")})
 
 
-def _run(cfg: ScoreConfig, rewards: list[Reward] | None, rollout: dict, ident: dict) -> dict | None:
+def _run(cfg: ScoreConfig, rewards: list[Reward], rollout: dict, shards: list[Path], ident: dict) -> dict | None:
     import pyarrow as pa
 
     from tpkit import sd3
     from tpkit.ui import track
 
-    # 1. Check inputs and build every reward up front (a missing reward model fails here, not halfway).
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
-    shards = layout.list_shards(rollout_dir)
-    if [s.name for s in shards] != rollout.get("shards", [s.name for s in shards]) or \
-            len(shards) != rollout["counts"]["shards"]:
-        raise InputError(f"{rollout_dir}: {len(shards)} shards, the manifest lists {rollout['counts']['shards']}",
-                         "rerun `tpkit rollout` with the same options to restore the missing shards")
-    rewards = rewards or load_rewards(cfg.rewards, cfg.reward_options)
 
     # 2. This rank's shards that have no scores yet.
     def target(shard: Path) -> Path:

@@ -228,13 +228,16 @@ def run(cfg: TrainConfig) -> dict:
     rollout = layout.read_manifest(Path(cfg.rollout), "rollout")
     adv_files = layout.parquet_files(Path(cfg.advantages), "advantages")
     check_init_lora(cfg)
+    # Inputs checked before --overwrite clears anything: the advantages belong to this rollout, finite.
+    adv_meta = check_advantages_belong(rollout, Path(cfg.rollout), Path(cfg.advantages), adv_files)
+    adv = read_advantages(Path(cfg.advantages))
     ident = identity(cfg, rollout, adv_files)
     with layout.stage_lock(Path(cfg.out), rank, cfg.overwrite, world, ident,
                            inputs=(cfg.rollout, cfg.advantages, cfg.init_lora)):
-        return _run(cfg, rollout, adv_files, ident)
+        return _run(cfg, rollout, adv, adv_meta, ident)
 
 
-def _run(cfg: TrainConfig, rollout: dict, adv_files: list[Path], ident: dict) -> dict:
+def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict) -> dict:
     from accelerate import Accelerator
 
     from tpkit import sd3
@@ -245,12 +248,10 @@ def _run(cfg: TrainConfig, rollout: dict, adv_files: list[Path], ident: dict) ->
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     phases = Phases("cpu" if on_cpu else sd3.pick_device(cfg.device))
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
-    adv_manifest = check_advantages_belong(rollout, rollout_dir, Path(cfg.advantages), adv_files)
     with phases("read"):
-        adv = read_advantages(Path(cfg.advantages))
         zero = zero_advantage_trajectories(adv) if cfg.drop_zero_advantage else set()
         batches, embeds, meta = load_micro_batches(rollout_dir, adv, cfg,
-                                                   set(adv_manifest.get("dropped_trajectories", [])), zero, rollout)
+                                                   set(adv_meta.get("dropped_trajectories", [])), zero, rollout)
     no_op = not any(b.has_gradient(cfg.beta) for b in batches)
     if no_op and not cfg.allow_no_op:
         raise TrainError(f"nothing to learn from: every advantage is 0 ({len({tid for tid, _ in adv})} trajectories)",
