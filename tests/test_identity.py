@@ -392,6 +392,32 @@ def test_run_stops_at_a_round_with_nothing_to_learn(base, tmp_path, capfd, rewar
     assert json.loads((layout.round_dir(tmp_path / "run", 0) / "train" / layout.MANIFEST).read_text())["no_op"]
 
 
+def test_run_keeps_a_finished_stage_only_if_it_holds_what_the_round_would_write(base, tmp_path, capfd):
+    import shutil
+    import tomllib
+
+    import tomli_w
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pipelines" / "tiny-cpu.toml").read_text())
+    data.update(rounds=1)
+    data["rollout"].update(group_size=2, steps=6, window_size=5, window_range=[0, 5], prompts_per_shard=1,
+                           prompts=str(base / "two.txt"))
+    data["train"].update(lora_rank=4, lora_alpha=8, optimizer_steps=1)
+    recipe = tmp_path / "small.toml"
+    recipe.write_text(tomli_w.dumps(data))
+    run_dir = tmp_path / "run"
+    assert cli("run", recipe, "--out", run_dir) == 0
+    r0 = layout.round_dir(run_dir, 0)
+    # the round's rollout redone by hand with another seed, its train gone: the run does not build on it
+    shutil.rmtree(r0 / "train")
+    (r0 / "round.json").unlink()
+    assert cli("rollout", "--prompts", base / "two.txt", "--out", r0 / "rollout", *SMALL, "--seed", "9", "--overwrite") == 0
+    capfd.readouterr()
+    refused(capfd, cli("run", recipe, "--out", run_dir), "round 0", "--seed")
+    assert not (r0 / "train").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # 5. CLI errors in tpkit's voice
 # --------------------------------------------------------------------------------------------

@@ -199,7 +199,26 @@ def tree_digest(path: str | Path | None, flag: str = "") -> str | None:
         raise InputError(f"{flag + ' ' if flag else ''}{path}: no such file or folder", "check the path")
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(path).parts)):
-        h.update(f"{f.relative_to(path)}\0{file_digest(f)}\0".encode())
+        h.update(f"{f.relative_to(path)}\0{_content_digest(f)}\0".encode())
+    return h.hexdigest()
+
+
+def _content_digest(path: Path) -> str:
+    """A file's digest; for safetensors, of its tensors (names, dtypes, shapes, values), not its bytes:
+    the same weights saved twice may order their header differently."""
+    if path.suffix != ".safetensors":
+        return file_digest(path)
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for key in sorted(f.keys()):
+                t = f.get_tensor(key).contiguous()
+                h.update(f"{key}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+                h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b"")
+    except Exception:  # not readable as safetensors: its bytes then
+        return file_digest(path)
     return h.hexdigest()
 
 

@@ -78,39 +78,46 @@ def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | No
     prev_adapter = train.policy_adapter(stage_dirs(run_dir, r - 1)["train"] / train.ADAPTER) if r > 0 else None
     seconds = {}
 
-    def done(stage: str) -> bool:
-        return (d[stage] / layout.MANIFEST).is_file()
+    def done(folder: Path, expected) -> bool:
+        """A finished stage is kept only if it holds what this round would write (expected(): its identity)."""
+        if not (folder / layout.MANIFEST).is_file():
+            return False
+        if "options" in (layout.folder_identity(folder) or {}):  # not a folder of an older tpkit
+            layout.check_out(folder, expected(), overwrite=False)
+        return True
 
     # 1. Rollout with the previous round's policy; a fresh seed every round.
-    if not done("rollout"):
-        cfg = dataclasses.replace(recipe.rollout, out=str(d["rollout"]), seed=recipe.seed + r,
-                                  lora=str(prev_adapter) if prev_adapter else None)
+    cfg = dataclasses.replace(recipe.rollout, out=str(d["rollout"]), seed=recipe.seed + r,
+                              lora=str(prev_adapter) if prev_adapter else None)
+    if not done(d["rollout"], lambda: rollout.identity(cfg.validate())):
         _, seconds["rollout"] = _timed(rollout.run, cfg)
         wait_for(d["rollout"] / layout.MANIFEST, "rollout")
     # 2. Score every branch (or only R_K for flow-grpo).
-    if not done("score"):
-        cfg = dataclasses.replace(recipe.score, rollout=str(d["rollout"]), out=str(d["score"]))
+    cfg = dataclasses.replace(recipe.score, rollout=str(d["rollout"]), out=str(d["score"]))
+    if not done(d["score"], lambda: score.identity(cfg.validate(), layout.read_manifest(d["rollout"], "rollout"))):
         _, seconds["score"] = _timed(lambda c: score.run(c, rewards), cfg)
         wait_for(d["score"] / layout.MANIFEST, "score")
     # 3. Advantages (one process; it is cheap).
-    if not done("advantages"):
+    cfg = dataclasses.replace(recipe.advantages, scores=str(d["score"]), out=str(d["advantages"]))
+    if not done(d["advantages"], lambda: advantages.identity(cfg.validate(), layout.parquet_files(d["score"], "score"))):
         if rank == 0:
-            cfg = dataclasses.replace(recipe.advantages, scores=str(d["score"]), out=str(d["advantages"]))
             _, seconds["advantages"] = _timed(advantages.run, cfg)
         wait_for(d["advantages"] / layout.MANIFEST, "advantages")
     # 4. Train, continuing the previous round's adapter and optimizer state.
-    if not done("train"):
-        cfg = dataclasses.replace(recipe.train, rollout=str(d["rollout"]), advantages=str(d["advantages"]),
-                                  out=str(d["train"]), seed=recipe.seed + r,
-                                  init_lora=str(prev_adapter) if prev_adapter else None)
+    cfg = dataclasses.replace(recipe.train, rollout=str(d["rollout"]), advantages=str(d["advantages"]),
+                              out=str(d["train"]), seed=recipe.seed + r,
+                              init_lora=str(prev_adapter) if prev_adapter else None)
+    if not done(d["train"], lambda: train.identity(cfg.validate(), layout.read_manifest(d["rollout"], "rollout"),
+                                                   layout.parquet_files(d["advantages"], "advantages"))):
         _, seconds["train"] = _timed(train.run, cfg)  # all processes: data-parallel under accelerate
         wait_for(d["train"] / layout.MANIFEST, "train")
     # 5. Every eval_every rounds: held-out evaluation of this round's adapter.
-    if recipe.eval_every and (r + 1) % recipe.eval_every == 0 and not (eval_dir(run_dir, r) / layout.MANIFEST).is_file():
+    if recipe.eval_every and (r + 1) % recipe.eval_every == 0:
         from tpkit import evaluate
 
         cfg = dataclasses.replace(recipe.eval, out=str(eval_dir(run_dir, r)), lora=str(d["train"] / train.ADAPTER))
-        _, seconds["eval"] = _timed(evaluate.run, cfg)
+        if not done(eval_dir(run_dir, r), lambda: evaluate.identity(cfg.validate())):
+            _, seconds["eval"] = _timed(evaluate.run, cfg)
         wait_for(eval_dir(run_dir, r) / layout.MANIFEST, "eval")
     if rank != 0:
         return None
