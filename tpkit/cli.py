@@ -2,8 +2,9 @@
 
 Each command parses options, builds a config, calls `tpkit.<stage>.run(cfg)` and renders a Rich
 summary. Stage modules (and torch) are imported inside the commands so `tpkit --help` is fast.
-Errors: tpkit's own print in one or two lines (exit 2); anything else in one line (exit 1);
-`--debug` anywhere on the command line shows the traceback instead.
+Errors: tpkit's own print in one or two lines (exit 2), usage errors too (the flag, the value, the
+expected type or the nearest flag; typer's own copy of click is caught, not only click's); anything
+else in one line (exit 1); `--debug` anywhere on the command line shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -409,6 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = [a for a in argv if a != "--debug"]
     argv = _take_threads(argv)
     mods = _click_exceptions()
+
     def classes(name: str) -> tuple:
         return tuple({getattr(m, name) for m in mods if isinstance(getattr(m, name, None), type)})
 

@@ -27,7 +27,7 @@ from tpkit.errors import InputError
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-STAGE_FILE = "stage.json"  # a stage folder's identity, written before any output (see `claim`)
+STAGE_FILE = "stage.json"  # a stage folder's identity, written before any output (see `stage_lock`)
 ADVANTAGES_FILE = "advantages.parquet"
 METRICS_FILE = "metrics.jsonl"
 ROUNDS_FILE = "rounds.jsonl"
@@ -188,7 +188,7 @@ def file_digest(path: Path) -> str:
 
 
 def tree_digest(path: str | Path | None, flag: str = "") -> str | None:
-    """Content digest of a file, or of a folder's visible files (names and bytes); None for no path.
+    """Content digest of a file, or of a folder's visible files (names and contents); None for no path.
     flag: the option that named the path, for the error when it does not exist."""
     if not path:
         return None
@@ -208,6 +208,7 @@ def _content_digest(path: Path) -> str:
     the same weights saved twice may order their header differently."""
     if path.suffix != ".safetensors":
         return file_digest(path)
+    import torch
     from safetensors import safe_open
 
     h = hashlib.sha256()
@@ -216,7 +217,7 @@ def _content_digest(path: Path) -> str:
             for key in sorted(f.keys()):
                 t = f.get_tensor(key).contiguous()
                 h.update(f"{key}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-                h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b"")
+                h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     except Exception:  # not readable as safetensors: its bytes then
         return file_digest(path)
     return h.hexdigest()
