@@ -266,12 +266,12 @@ def _mismatch(folder: Path, held: dict, want: dict) -> str | None:
         return None
     if "options" not in held:
         return f"{folder} holds {want['stage']} output of unknown options (written by an older tpkit)"
-    diff = sorted(f"--{k.replace('_', '-')}" for k in set(held["options"]) | set(want["options"])
-                  if held["options"].get(k) != want["options"].get(k))
-    diff += sorted(f"input {k}" for k in set(held.get("inputs", {})) | set(want["inputs"])
-                   if held.get("inputs", {}).get(k) != want["inputs"].get(k))
-    return (f"{folder} holds {want['stage']} output of other options or inputs "
-            f"(differs in: {', '.join(diff) or 'version'})")
+    options = sorted(f"--{k.replace('_', '-')}" for k in set(held["options"]) | set(want["options"])
+                     if held["options"].get(k) != want["options"].get(k))
+    inputs = sorted(k for k in set(held.get("inputs", {})) | set(want["inputs"])
+                    if held.get("inputs", {}).get(k) != want["inputs"].get(k))
+    diff = "; ".join([", ".join(options)] * bool(options) + [f"inputs: {', '.join(inputs)}"] * bool(inputs))
+    return f"{folder} holds {want['stage']} output of other options or inputs (differs in: {diff or 'version'})"
 
 
 def check_out(folder: Path, identity: dict, overwrite: bool, inputs: tuple = ()) -> None:
