@@ -80,6 +80,7 @@ class Recipe:
     vae_lr: float = 1e-3
     vae_kl: float = 1e-6
     vae_crop: int = 32  # train on random crops (fully convolutional): 4x cheaper than 64 px
+    vae_stats_scenes: int = 512  # fresh scenes whose latent mean/std normalise the latents
     data_scenes: int = 24576
     data_chunk: int = 2048
     flow_steps: int = 2000
@@ -276,17 +277,18 @@ def save_pipeline(pipe, folder: Path) -> None:
 
 
 class ThreadTuner:
-    """Every `every` steps, time `probe` steps on 1 thread and `probe` on all, then keep the faster.
+    """Time `probe` steps on 1 thread and `probe` on all, keep the faster (all only if 20 % faster);
+    probe again every `every` steps, or as soon as 3 steps in a row take 1.5x the chosen median.
 
     On a CPU shared with other jobs, oversubscribed OpenMP threads spin and a step can take several
     times longer on 2 threads than on 1; on an idle machine 2 are faster."""
 
     def __init__(self, every: int = 100, probe: int = 3):
-        self.max, self.every, self.probe, self.i, self.times = torch.get_num_threads(), every, probe, 0, {}
+        self.max, self.every, self.probe = torch.get_num_threads(), every, probe
+        self.k, self.times, self.ref, self.slow = 0, {}, None, 0
 
     def _probing(self) -> int:
-        k = self.i % self.every
-        return 0 if self.max < 2 or k >= 2 * self.probe else (1 if k < self.probe else self.max)
+        return 0 if self.max < 2 or self.k >= 2 * self.probe else (1 if self.k < self.probe else self.max)
 
     def __enter__(self):
         if n := self._probing():
@@ -294,12 +296,18 @@ class ThreadTuner:
         self.t0 = time.perf_counter()
 
     def __exit__(self, *exc):
+        dt = time.perf_counter() - self.t0
         if n := self._probing():
-            self.times.setdefault(n, []).append(time.perf_counter() - self.t0)
-            if self.i % self.every == 2 * self.probe - 1:
-                torch.set_num_threads(min(self.times, key=lambda k: float(np.median(self.times[k]))))
-                self.times = {}
-        self.i += 1
+            self.times.setdefault(n, []).append(dt)
+            if self.k == 2 * self.probe - 1:
+                one, many = (float(np.median(self.times[k])) for k in (1, self.max))
+                torch.set_num_threads(self.max if many < 0.8 * one else 1)
+                self.ref, self.times = min(one, many) if many < 0.8 * one else one, {}
+        elif self.ref is not None:
+            self.slow = self.slow + 1 if dt > 1.5 * self.ref else 0
+        self.k += 1
+        if self.k >= self.every or self.slow >= 3:
+            self.k, self.slow = 0, 0
 
 
 class _Trainer:
@@ -363,10 +371,12 @@ class _Trainer:
 
     @torch.no_grad()
     def finish_vae(self) -> None:
-        """Freeze the VAE; latent mean/std over 512 fresh scenes -> shift_factor / scaling_factor."""
+        """Freeze the VAE; latent mean/std over fresh scenes -> shift_factor / scaling_factor."""
         vae = self.pipe.vae.eval()
         rng = np.random.default_rng([self.r.seed, 1])
-        z = torch.cat([vae.encode(_images(random_scenes(rng, 128, split=None))).latent_dist.mean for _ in range(4)])
+        n = self.r.vae_stats_scenes
+        z = torch.cat([vae.encode(_images(random_scenes(rng, min(128, n - i), split=None))).latent_dist.mean
+                       for i in range(0, n, 128)])
         vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1.0 / z.std()))
 
     def chunk_path(self, i: int) -> Path:
@@ -445,7 +455,11 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
     tr = _Trainer(out, r)
     if (out / "state.pt").is_file():
         st = torch.load(out / "state.pt", weights_only=False)
-        if st["recipe"] != asdict(r):
+        # the run may be lengthened (constant learning rate: a longer run passes through the shorter one);
+        # a field added since that run keeps its default
+        free = ("flow_steps", "snapshot_every", "checkpoint_minutes")
+        mine = {k: v for k, v in asdict(r).items() if k not in free}
+        if {**mine, **{k: v for k, v in st["recipe"].items() if k not in free}} != mine:
             from tpkit.errors import ConfigError
 
             raise ConfigError(f"{out} holds a run with another recipe", "use a fresh --out folder")
@@ -560,3 +574,34 @@ def accuracy(model: str, metadata: list[dict], images_per_prompt: int = 4, steps
     out = {tag: float(np.mean(v)) for tag, v in right.items()}
     out["overall"] = float(np.mean(list(out.values())))
     return out
+
+
+def sample_grid(model: str, prompts: list[str], seeds: list[int], path: Path, steps: int = 40, guidance: float = 4.5,
+                scale: int = 2) -> Path:
+    """A captioned PNG: one row per prompt, one column per seed (the eval sampler: ODE, CFG)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    from tpkit import formulas, sd3
+
+    m = sd3.load(model, device="cpu")
+    sigmas = m.sigmas(steps)
+    emb = m.encode([p for p in prompts for _ in seeds], TEXT_LENGTH)
+    x = torch.stack([torch.randn(m.latent_shape(RESOLUTION), generator=torch.Generator().manual_seed(s))
+                     for _ in prompts for s in seeds])
+    with torch.no_grad():
+        for t in range(steps):
+            x = formulas.ode_step(x, m.velocity(x, torch.full((len(x),), sigmas[t]), emb, guidance), sigmas[t], sigmas[t + 1])
+    images = m.decode(x)
+    cell, pad, label = RESOLUTION * scale, 4, 250
+    grid = Image.new("RGB", (label + len(seeds) * (cell + pad), len(prompts) * (cell + pad)), (255, 255, 255))
+    draw = ImageDraw.Draw(grid)
+    for i, p in enumerate(prompts):
+        y = i * (cell + pad)
+        draw.text((6, y + cell // 2 - 8), p.removeprefix("a photo of "), fill=(0, 0, 0), font=ImageFont.load_default(15))
+        for j in range(len(seeds)):
+            im = Image.fromarray(images[i * len(seeds) + j]).resize((cell, cell), Image.Resampling.NEAREST)
+            grid.paste(im, (label + j * (cell + pad), y))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+    return path
