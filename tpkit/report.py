@@ -1,5 +1,6 @@
-"""report.png of a run: reward per round, turning-point rate per step, reward along the
-trajectory (mean R_k per branch), and final images of the first and the latest round."""
+"""report.png of a run: reward per round (and held-out evaluation, when the recipe has one),
+turning-point rate per step, reward along the trajectory (mean R_k per branch), and final images
+of the first and the latest round."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
     fig = plt.figure(figsize=(12, 11))
     # Fixed margins instead of tight_layout, which draws the figure twice (0.6 s of 2 s a round).
     grid = fig.add_gridspec(3, 2, height_ratios=[1, 1, 0.8], left=0.07, right=0.98, top=0.93, bottom=0.02,
-                            hspace=0.32, wspace=0.2)
+                            hspace=0.32, wspace=0.3)
     ax = np.array([[fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])],
                    [fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])]])
     ax_images = fig.add_subplot(grid[2, :])
@@ -66,7 +67,14 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
     a.errorbar(rounds, mean, yerr=std, fmt="o-", capsize=3, label="mean ± std")
     a.fill_between(rounds, mean - se, mean + se, alpha=0.3, label="± s.e.")
     a.set(title="final reward R_K per round", xlabel="round", ylabel="reward")
-    a.legend()
+    evals = [(x["round"], x["eval"]) for x in lines if x.get("eval")]
+    if evals:  # held-out evaluation (eval_every): GenEval overall accuracy, else the first reward's mean
+        key = "geneval_overall" if "geneval_overall" in evals[0][1] else next(iter(evals[0][1]))
+        b = a.twinx()
+        b.plot([r for r, _ in evals], [e.get(key) for _, e in evals], "s--", color="tab:red", label=f"held-out {key}")
+        b.set_ylabel(f"held-out {key}", color="tab:red")
+        b.legend(loc="lower right")
+    a.legend(loc="upper left")
 
     # Turning-point rate per step, first vs latest round.
     a = ax[0, 1]
