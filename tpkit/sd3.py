@@ -106,6 +106,10 @@ def build_tiny_sd3(path: Path) -> None:
 
 def resolve_model(model: str) -> str:
     """`tiny-sd3` -> its folder under $TPKIT_HOME (built on first use); anything else as given."""
+    if model == "tiny-shapes":  # pretrained weights shipped inside the package (tpkit.shapes_model)
+        from tpkit.shapes_model import weights_dir
+
+        return str(weights_dir())
     if model != TINY_MODEL:
         return model
     path = tpkit_home() / "models" / f"{TINY_MODEL}-v{_TINY_VERSION}"

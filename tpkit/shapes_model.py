@@ -83,7 +83,7 @@ class Recipe:
     vae_stats_scenes: int = 512  # fresh scenes whose latent mean/std normalise the latents
     data_scenes: int = 24576
     data_chunk: int = 2048
-    flow_steps: int = 2000
+    flow_steps: int = 3000  # the committed weights: 3000 (the run went to 2000, then was lengthened)
     flow_batch: int = 64
     flow_lr: float = 5e-4
     warmup: int = 100

@@ -1,0 +1,99 @@
+"""tiny-shapes: the builder, the training loop (loss, resume) and the shipped weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from tpkit import shapes_model as sm
+
+TINY = sm.Arch(vae_channels=(8, 8, 8), latent_channels=4, vae_groups=4, layers=1, heads=2, head_dim=8,
+               clip_hidden=16, clip_layers=1, clip_heads=2)
+
+
+def tiny_recipe(**kw) -> sm.Recipe:
+    r = sm.Recipe(vae_steps=1, vae_batch=2, vae_crop=16, vae_stats_scenes=8, data_scenes=8, data_chunk=4,
+                  flow_steps=2, flow_batch=4, warmup=1, snapshot_every=1, arch=TINY)
+    return dataclasses.replace(r, **kw)
+
+
+def test_every_caption_word_is_one_token():
+    from tpkit import shapes
+
+    tok = sm.word_tokenizer(sm.caption_words())
+    for m in shapes.prompts("train")[::7] + shapes.prompts("test")[::7]:
+        ids = tok(m["prompt"]).input_ids
+        assert len(ids) == len(m["prompt"].split()) + 2 <= sm.CLIP_LENGTH
+        assert tok.unk_token_id not in ids[1:-1]
+    assert tok("", padding="max_length", max_length=sm.CLIP_LENGTH).input_ids[:2] == [tok.bos_token_id, tok.eos_token_id]
+
+
+def test_builder_makes_a_pipeline_that_round_trips(tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = sm.build_pipeline(TINY)
+    assert pipe.tokenizer.model_max_length == sm.CLIP_LENGTH
+    sm.save_pipeline(pipe, tmp_path / "p")
+    again = StableDiffusion3Pipeline.from_pretrained(tmp_path / "p")
+    torch.manual_seed(0)
+    image = again(prompt="a photo of a red circle", num_inference_steps=2, guidance_scale=4.5,
+                  max_sequence_length=sm.TEXT_LENGTH, output_type="np").images
+    assert image.shape == (1, sm.RESOLUTION, sm.RESOLUTION, 3)
+
+
+def test_a_training_step_lowers_the_loss():
+    pipe = sm.build_pipeline(TINY)
+    lat = torch.randn(8, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    captions = ["a photo of a red circle", "a photo of two squares"] * 4
+    params = [p for m in sm._Trainer.FLOW_MODULES for p in getattr(pipe, m).parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def loss():
+        return sm.flow_loss(pipe, lat, captions, torch.Generator().manual_seed(1), 0.25)
+
+    before = loss()
+    before.backward()
+    opt.step()
+    with torch.no_grad():
+        assert float(loss()) < float(before)
+
+
+def test_interrupted_training_resumes_to_the_same_model(tmp_path):
+    r = tiny_recipe()
+    whole = sm.train(tmp_path / "whole", r, progress=False, tune_threads=False)
+    calls = 0
+    while (done := sm.train(tmp_path / "parts", r, max_minutes=0, progress=False, tune_threads=False)) is None:  # one step per call
+        calls += 1
+        assert calls < 20
+    assert calls >= r.vae_steps + 2 + r.flow_steps - 1  # it really stopped in every phase
+    from safetensors.torch import load_file
+
+    for part in ("transformer", "text_encoder", "vae"):
+        a = load_file(next((whole / part).glob("*.safetensors")))
+        b = load_file(next((done / part).glob("*.safetensors")))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+    assert (tmp_path / "whole" / "snapshots" / "step-00001" / "model_index.json").is_file()
+
+
+def test_tiny_shapes_ships_with_the_package_and_generates(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from tpkit import formulas, sd3
+
+    folder = sm.weights_dir()
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    assert size <= 30e6 and list(folder.rglob("*.safetensors"))
+    model = sd3.load("tiny-shapes", device="cpu")
+    assert sd3.resolve_model("tiny-shapes") == str(folder)
+    emb = model.encode(["a photo of a blue square"], max_sequence_length=sm.TEXT_LENGTH)
+    sigmas = model.sigmas(4)
+    x = torch.randn(1, *model.latent_shape(sm.RESOLUTION), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for t in range(4):
+            x = formulas.ode_step(x, model.velocity(x, torch.full((1,), sigmas[t]), emb, 4.5), sigmas[t], sigmas[t + 1])
+    image = model.decode(x)
+    assert image.shape == (1, sm.RESOLUTION, sm.RESOLUTION, 3) and image.dtype == np.uint8
+    assert image.std() > 5  # not a blank canvas
+    sd3.release()
