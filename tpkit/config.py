@@ -14,7 +14,8 @@ from typing import Any
 
 from tpkit.errors import ConfigError
 
-TINY_MODEL = "tiny-sd3"
+TINY_MODEL = "tiny-sd3"  # random, built locally: proves plumbing
+SHAPES_MODEL = "tiny-shapes"  # pretrained on coloured-shape scenes, shipped in the package: shows learning
 SAMPLERS = ("sde", "cps")
 METHODS = ("tp-grpo", "flow-grpo")
 BRANCHES = ("all", "final")
@@ -26,7 +27,8 @@ KL_MODES = ("release", "exact")
 # Per-model defaults where a model is not SD3.5-sized. Text length = T5 tokens per prompt
 # (`max_sequence_length`): 128 as the authors' release encodes prompts in training and evaluation.
 _DEFAULTS = {"resolution": 512, "text_length": 128}
-MODEL_DEFAULTS = {TINY_MODEL: {"resolution": 64, "text_length": 128}}
+MODEL_DEFAULTS = {TINY_MODEL: {"resolution": 64, "text_length": 128},
+                  SHAPES_MODEL: {"resolution": 64, "text_length": 12}}  # trained with 12 T5 tokens
 
 
 def model_default(model: str, key: str):

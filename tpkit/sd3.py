@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tpkit import hub
-from tpkit.config import TINY_MODEL
+from tpkit.config import SHAPES_MODEL, TINY_MODEL
 from tpkit.errors import ModelError
 
 TINY_RESOLUTION = 64
@@ -106,7 +106,7 @@ def build_tiny_sd3(path: Path) -> None:
 
 def resolve_model(model: str) -> str:
     """`tiny-sd3` -> its folder under $TPKIT_HOME (built on first use); anything else as given."""
-    if model == "tiny-shapes":  # pretrained weights shipped inside the package (tpkit.shapes_model)
+    if model == SHAPES_MODEL:  # pretrained weights shipped inside the package (tpkit.shapes_model)
         from tpkit.shapes_model import weights_dir
 
         return str(weights_dir())
@@ -174,7 +174,7 @@ def set_cpu_threads() -> int:
     TPKIT_THREADS (`tpkit --threads N`) if set; else the cores this process may use divided by the
     processes started beside it (LOCAL_WORLD_SIZE under `accelerate launch` / torchrun). torch's
     default, one thread per core in every process, oversubscribes the cores as soon as two run at
-    once (measured on 2 cores: 4-11x slower rounds instead of 2x; bench/speed.py (h))."""
+    once (measured on 2 cores: 4-11x slower rounds instead of 2x; bench/side_by_side.py)."""
     want = os.environ.get("TPKIT_THREADS")
     if want:
         threads = int(want)

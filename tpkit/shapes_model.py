@@ -44,9 +44,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-NAME = "tiny-shapes"
-RESOLUTION = 64  # pixels
-TEXT_LENGTH = 12  # T5 tokens = the max_sequence_length to sample with (the longest prompt: 10 words + 2 specials)
+from tpkit.config import MODEL_DEFAULTS, SHAPES_MODEL
+
+NAME = SHAPES_MODEL
+RESOLUTION = MODEL_DEFAULTS[NAME]["resolution"]  # pixels
+TEXT_LENGTH = MODEL_DEFAULTS[NAME]["text_length"]  # T5 tokens = the max_sequence_length to sample with (the longest prompt: 10 words + 2 specials)
 CLIP_LENGTH = 12  # CLIP tokens (the tokenizer's model_max_length)
 SHIFT = 3.0  # FlowMatchEulerDiscreteScheduler shift (SD3's), used for sampling and training sigmas
 SEED = 0

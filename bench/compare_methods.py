@@ -1,0 +1,315 @@
+"""TP-GRPO against Flow-GRPO on tiny-shapes, measured like a paper: seeds, intervals, held-out prompts.
+
+    python bench/compare_methods.py [--seeds 0 1 2] [--rounds 10] [--jobs 2] [--no-ablations]
+                                    [--runs runs/compare] [--out bench/compare]
+
+1. Runs. pipelines/shapes-tpgrpo.toml and pipelines/shapes-flowgrpo.toml (identical but for the
+   method, so both are tuned equally) with every seed; the paper's ablations on TP-GRPO with the
+   first seed: window size K in {3, 6, 9} and noise level a in {0.5, 0.7, 0.9} (K = 9, a = 0.7 is
+   the main run). Each is one `tpkit run` in its own process; --jobs of them run side by side, each
+   with its share of the cores (`tpkit --threads`). A finished run is kept, a stopped one resumes:
+   rerunning this script recomputes nothing it has.
+2. The base model is evaluated once with the recipes' own evaluation settings (the "round 0" point
+   of every held-out curve).
+3. Everything is read back from the runs' rounds.jsonl: held-out GenEval accuracy (data/shapes-test.jsonl,
+   never trained on or tuned on) and train reward per round, as mean and 95 % t-interval over seeds;
+   the round at which TP-GRPO's mean first reaches Flow-GRPO's final mean; final accuracy per task;
+   turning points, zero step rewards and mean |d_k| per step early and late in training; seconds
+   per round.
+4. bench/compare/RESULTS.md, compare.png (curves) and diagnostics.png (per-step statistics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = {"tp-grpo": ROOT / "pipelines" / "shapes-tpgrpo.toml", "flow-grpo": ROOT / "pipelines" / "shapes-flowgrpo.toml"}
+TASKS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+ABLATIONS = {  # name -> --set overrides (TP-GRPO, first seed); the main run is K = 9, a = 0.7
+    "K3": ["rollout.window_size=3"], "K6": ["rollout.window_size=6"],
+    "a0.5": ["rollout.noise_level=0.5"], "a0.9": ["rollout.noise_level=0.9"],
+}
+
+
+@dataclasses.dataclass
+class Job:
+    name: str
+    method: str
+    seed: int
+    overrides: list[str]
+    out: Path
+
+    def command(self, rounds: int, threads: int) -> list[str]:
+        sets = [a for o in [f"seed={self.seed}", *self.overrides] for a in ("--set", o)]
+        return [sys.executable, "-m", "tpkit", "--threads", str(threads), "run", str(RECIPES[self.method]),
+                "--out", str(self.out), "--rounds", str(rounds), *sets]
+
+
+def jobs(seeds: list[int], runs_dir: Path, ablations: bool) -> list[Job]:
+    runs = [Job(f"{m}-s{s}", m, s, [], runs_dir / f"{m}-s{s}") for s in seeds for m in RECIPES]
+    if ablations:
+        runs += [Job(f"tp-grpo-{a}", "tp-grpo", seeds[0], o, runs_dir / f"tp-grpo-{a}-s{seeds[0]}")
+                 for a, o in ABLATIONS.items()]
+    return runs
+
+
+def finished(job: Job, rounds: int) -> bool:
+    path = job.out / "rounds.jsonl"
+    return path.is_file() and len(path.read_text().splitlines()) >= rounds
+
+
+# --------------------------------------------------------------------------------------------
+# 1-2. Running
+# --------------------------------------------------------------------------------------------
+
+
+def run_jobs(todo: list[Job], rounds: int, parallel: int) -> None:
+    """Start up to `parallel` runs at once, each with cores // parallel threads; logs beside the runs."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(cores // parallel, 1)
+    pending, running = list(todo), []
+    while pending or running:
+        while pending and len(running) < parallel:
+            job = pending.pop(0)
+            job.out.mkdir(parents=True, exist_ok=True)
+            log = open(job.out.with_suffix(".log"), "a")
+            print(f"start {job.name}: {' '.join(job.command(rounds, threads)[2:])}", flush=True)
+            running.append((job, subprocess.Popen(job.command(rounds, threads), stdout=log, stderr=subprocess.STDOUT,
+                                                  cwd=ROOT), log, time.time()))
+        time.sleep(2)
+        for item in list(running):
+            job, proc, log, t0 = item
+            if proc.poll() is None:
+                continue
+            log.close()
+            running.remove(item)
+            print(f"done  {job.name} in {time.time() - t0:.0f} s (exit {proc.returncode})", flush=True)
+            if proc.returncode:
+                raise SystemExit(f"{job.name} failed: see {job.out.with_suffix('.log')}")
+
+
+def base_eval(runs_dir: Path) -> dict:
+    """The untrained model with the recipes' evaluation settings (same prompts, images and seeds)."""
+    from tpkit import evaluate
+    from tpkit.config import load_recipe
+
+    folder = runs_dir / "base-eval"
+    if not (folder / "manifest.json").is_file():
+        recipe = load_recipe(RECIPES["tp-grpo"])
+        evaluate.run(dataclasses.replace(recipe.eval, out=str(folder), lora=None))
+    s = json.loads((folder / "manifest.json").read_text())["summary"]
+    return {"geneval_overall": s["overall"], **{f"geneval_{t}": v["accuracy"] for t, v in s["tasks"].items()}}
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Reading and aggregating
+# --------------------------------------------------------------------------------------------
+
+
+def rounds_of(job: Job) -> list[dict]:
+    return [json.loads(line) for line in (job.out / "rounds.jsonl").read_text().splitlines() if line.strip()]
+
+
+def t95(n: int) -> float:
+    """Two-sided 95 % quantile of Student's t with n - 1 degrees of freedom."""
+    try:
+        from scipy.stats import t
+
+        return float(t.ppf(0.975, n - 1))
+    except ImportError:  # the few values a seed count needs
+        return {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}.get(n, 1.96)
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """Mean and half-width of its 95 % t-interval over seeds (0 for one seed)."""
+    n = len(values)
+    m = sum(values) / n
+    if n < 2:
+        return m, 0.0
+    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
+    return m, t95(n) * sd / math.sqrt(n)
+
+
+def curves(runs: list[list[dict]], base: dict) -> dict:
+    """Per method: train reward per round and held-out accuracy per evaluated round (0 = base)."""
+    rounds = min(len(r) for r in runs)
+    reward = [mean_ci([r[i]["reward_mean"] for r in runs]) for i in range(rounds)]
+    evals = {0: {k: (v, 0.0) for k, v in base.items()}}
+    for i in range(rounds):
+        if all(r[i].get("eval") for r in runs):
+            evals[i + 1] = {k: mean_ci([r[i]["eval"][k] for r in runs]) for k in runs[0][i]["eval"]}
+    seconds = [mean_ci([sum(v for k, v in r[i]["seconds"].items() if k != "eval") for r in runs]) for i in range(rounds)]
+    return {"reward": reward, "eval": evals, "seconds": seconds, "rounds": rounds}
+
+
+def first_reaching(curve: dict[int, tuple[float, float]], target: float) -> int | None:
+    return next((r for r, (m, _) in sorted(curve.items()) if m >= target), None)
+
+
+def per_step(runs: list[list[dict]], key: str, which: slice) -> list[float | None]:
+    """Mean over seeds and the selected rounds of a per-step list in rounds.jsonl."""
+    rows = [line.get(key) for r in runs for line in r[which]]
+    rows = [x for x in rows if x and all(v is not None for v in x)]
+    if not rows:
+        return []
+    return [sum(col) / len(col) for col in zip(*rows)]
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Report
+# --------------------------------------------------------------------------------------------
+
+
+def fmt(mc: tuple[float, float], digits: int = 3) -> str:
+    return f"{mc[0]:.{digits}f} ± {mc[1]:.{digits}f}"
+
+
+def plot(out: Path, agg: dict, diag: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for method, a in agg.items():
+        xs = sorted(a["eval"])
+        m = [a["eval"][x]["geneval_overall"][0] for x in xs]
+        h = [a["eval"][x]["geneval_overall"][1] for x in xs]
+        ax[0].errorbar(xs, m, yerr=h, marker="o", capsize=3, label=method)
+        rs = list(range(1, a["rounds"] + 1))
+        ax[1].errorbar(rs, [v[0] for v in a["reward"]], yerr=[v[1] for v in a["reward"]], marker=".", capsize=3, label=method)
+        ax[2].plot(rs, [v[0] for v in a["seconds"]], marker=".", label=method)
+    ax[0].set(title="held-out GenEval accuracy (mean, 95% CI)", xlabel="rounds trained", ylabel="accuracy")
+    ax[1].set(title="train reward, dense GenEval (mean, 95% CI)", xlabel="round", ylabel="reward")
+    ax[2].set(title="seconds per round (no eval)", xlabel="round", ylabel="s")
+    for a in ax:
+        a.legend()
+        a.grid(alpha=0.3)
+    fig.savefig(out / "compare.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(1, 4, figsize=(18, 3.8))
+    for label, d in diag.items():
+        for i, key in enumerate(("tp_rate_per_step", "tp_kept_per_step", "zero_step_rewards_per_step",
+                                 "mean_abs_step_reward_per_step")):
+            if d.get(key):
+                ax[i].plot(range(1, len(d[key]) + 1), d[key], marker="o", label=label)
+    for a, title in zip(ax, ("turning-point candidates (rate)", "kept turning points (count)",
+                             "share of zero step rewards d_k = 0", "mean |d_k|")):
+        a.set(title=title, xlabel="step k")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    fig.savefig(out / "diagnostics.png", dpi=110)
+    plt.close(fig)
+
+
+def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed: float) -> str:
+    by_method = {m: [rounds_of(j) for j in all_jobs if j.method == m and not j.overrides] for m in RECIPES}
+    agg = {m: curves(runs, base) for m, runs in by_method.items()}
+    tp, fl = agg["tp-grpo"], agg["flow-grpo"]
+    last = max(fl["eval"])
+    fl_final, tp_final = fl["eval"][last]["geneval_overall"], tp["eval"][last]["geneval_overall"]
+    reach = first_reaching({r: v["geneval_overall"] for r, v in tp["eval"].items()}, fl_final[0])
+    reach_reward = next((i + 1 for i, (m, _) in enumerate(tp["reward"]) if m >= fl["reward"][-1][0]), None)
+    third = max(1, tp["rounds"] // 3)
+    diag = {f"{m} rounds 1-{third}": {k: per_step(by_method[m], k, slice(0, third)) for k in (
+        "tp_rate_per_step", "tp_kept_per_step", "zero_step_rewards_per_step", "mean_abs_step_reward_per_step")}
+        for m in ("tp-grpo",)}
+    diag.update({f"tp-grpo rounds {tp['rounds'] - third + 1}-{tp['rounds']}": {k: per_step(
+        by_method["tp-grpo"], k, slice(-third, None)) for k in (
+        "tp_rate_per_step", "tp_kept_per_step", "zero_step_rewards_per_step", "mean_abs_step_reward_per_step")}})
+    plot(out, agg, diag)
+
+    L = ["# TP-GRPO vs Flow-GRPO on tiny-shapes", "",
+         f"Regenerate: `python bench/compare_methods.py --seeds {' '.join(map(str, seeds))} --rounds {tp['rounds']}` "
+         f"(this run: {elapsed / 60:.0f} min of wall time on {os.cpu_count()} cores; finished runs are reused).",
+         "Recipes: `pipelines/shapes-tpgrpo.toml` and `pipelines/shapes-flowgrpo.toml`, identical but for the method. "
+         "Held-out accuracy: GenEval's protocol with the shapes detector on `data/shapes-test.jsonl` "
+         "(no prompt in common with the train prompts; never used for a choice). Intervals: 95 % t-intervals over "
+         f"{len(seeds)} seeds (seed = rollout noise and LoRA init; evaluation images use the same seeds for every run).", "",
+         "![curves](compare.png)", "", "## Held-out accuracy per evaluated round", "",
+         "| rounds trained | " + " | ".join(RECIPES) + " |", "| --- | " + " | ".join("---" for _ in RECIPES) + " |"]
+    for r in sorted(tp["eval"]):
+        L.append(f"| {r} | " + " | ".join(fmt(agg[m]["eval"][r]["geneval_overall"]) if r in agg[m]["eval"] else "" for m in RECIPES) + " |")
+    # Paired by seed (same seed = same first rollout noise and evaluation images): TP - Flow at the last evaluation.
+    pairs = [(t, f) for t, f in zip(by_method["tp-grpo"], by_method["flow-grpo"])]
+    final_eval = [next(r["eval"] for r in reversed(run) if r.get("eval")) for pair in pairs for run in pair]
+    diff = mean_ci([a["geneval_overall"] - b["geneval_overall"] for a, b in zip(final_eval[::2], final_eval[1::2])])
+    L += ["", f"- Flow-GRPO's final held-out accuracy (round {last}): **{fmt(fl_final)}**; TP-GRPO's: **{fmt(tp_final)}**; "
+          f"paired difference TP - Flow over seeds: **{diff[0]:+.3f} ± {diff[1]:.3f}**.",
+          f"- TP-GRPO's mean first reaches Flow-GRPO's final mean at round **{reach if reach is not None else 'never (within the run)'}**"
+          f" of {last} (evaluated every few rounds; round 0 is the base model).",
+          f"- Train reward: TP-GRPO's mean first reaches Flow-GRPO's final mean ({fl['reward'][-1][0]:.3f}) at round "
+          f"**{reach_reward if reach_reward is not None else 'never'}** of {fl['rounds']}.", "",
+          "## Final accuracy per GenEval task", "", "| task | base | " + " | ".join(RECIPES) + " |",
+          "| --- | --- | " + " | ".join("---" for _ in RECIPES) + " |"]
+    for t in TASKS:
+        key = f"geneval_{t}"
+        L.append(f"| {t} | {base.get(key, float('nan')):.3f} | " + " | ".join(fmt(agg[m]['eval'][last][key]) for m in RECIPES) + " |")
+    L += ["", "## Train reward and time per round", "", "| round | " + " | ".join(f"{m} reward" for m in RECIPES)
+          + " | " + " | ".join(f"{m} s/round" for m in RECIPES) + " |", "|" + " --- |" * (1 + 2 * len(RECIPES))]
+    for i in range(tp["rounds"]):
+        L.append(f"| {i + 1} | " + " | ".join(fmt(agg[m]["reward"][i]) for m in RECIPES) + " | "
+                 + " | ".join(f"{agg[m]['seconds'][i][0]:.1f}" for m in RECIPES) + " |")
+    ratio = sum(v[0] for v in tp["seconds"]) / max(sum(v[0] for v in fl["seconds"]), 1e-9)
+    L += ["", f"TP-GRPO / Flow-GRPO wall time per round (all rounds, evaluation excluded): **{ratio:.2f}x**.", "",
+          "## Turning-point diagnostics (TP-GRPO, mean over seeds)", "", "![diagnostics](diagnostics.png)", ""]
+    for label, d in diag.items():
+        L.append(f"**{label}**")
+        L.append("")
+        L.append("| step k | " + " | ".join(str(k + 1) for k in range(len(d["tp_rate_per_step"]))) + " |")
+        L.append("|" + " --- |" * (1 + len(d["tp_rate_per_step"])))
+        for key, name in (("tp_rate_per_step", "candidate rate"), ("tp_kept_per_step", "kept (count)"),
+                          ("zero_step_rewards_per_step", "d_k = 0 share"), ("mean_abs_step_reward_per_step", "mean abs(d_k)")):
+            if d[key]:
+                L.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in d[key]) + " |")
+        L.append("")
+    abl = [j for j in all_jobs if j.overrides and finished(j, 1)]
+    if abl:
+        main = next(j for j in all_jobs if j.method == "tp-grpo" and j.seed == seeds[0] and not j.overrides)
+        L += ["## Ablations (TP-GRPO, seed " + str(seeds[0]) + ", one run each)", "",
+              "| setting | final held-out accuracy | final train reward | mean TP rate | s/round |", "| --- | --- | --- | --- | --- |"]
+        for j in [main, *abl]:
+            rs = rounds_of(j)
+            ev = [r["eval"]["geneval_overall"] for r in rs if r.get("eval")]
+            label = "K = 9, a = 0.7 (main)" if j is main else ", ".join(j.overrides)
+            L.append(f"| {label} | {ev[-1] if ev else float('nan'):.3f} | {rs[-1]['reward_mean']:.3f} | "
+                     f"{sum(r['turning_point_rate'] for r in rs) / len(rs):.3f} | "
+                     f"{sum(sum(v for k, v in r['seconds'].items() if k != 'eval') for r in rs) / len(rs):.1f} |")
+        L.append("")
+    text = "\n".join(L) + "\n"
+    (out / "RESULTS.md").write_text(text)
+    (out / "results.json").write_text(json.dumps({"base": base, "curves": {m: {**a, "eval": {str(k): v for k, v in a["eval"].items()}}
+                                                                         for m, a in agg.items()}, "diagnostics": diag},
+                                                 indent=1))
+    return text
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--jobs", type=int, default=2, help="runs side by side (each gets cores / jobs threads)")
+    p.add_argument("--no-ablations", dest="ablations", action="store_false")
+    p.add_argument("--runs", type=Path, default=ROOT / "runs" / "compare", help="where the runs go (large)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "compare", help="RESULTS.md and plots")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    all_jobs = jobs(args.seeds, args.runs, args.ablations)
+    run_jobs([j for j in all_jobs if not finished(j, args.rounds)], args.rounds, args.jobs)
+    base = base_eval(args.runs)
+    print(report(args.out, all_jobs, args.seeds, base, time.time() - t0))
+
+
+if __name__ == "__main__":
+    main()
