@@ -240,7 +240,7 @@ def test_cps_window_reaching_the_last_step_is_refused():
 def test_threads_flag_anywhere_and_its_errors(monkeypatch):
     from tpkit import cli
 
-    monkeypatch.delenv("TPKIT_THREADS", raising=False)
+    monkeypatch.setenv("TPKIT_THREADS", "")  # registered, so the value _take_threads writes is undone after the test
     assert cli._take_threads(["run", "--threads", "1", "r.toml"]) == ["run", "r.toml"]
     assert os.environ["TPKIT_THREADS"] == "1"
     assert cli._take_threads(["--threads=3", "rollout"]) == ["rollout"] and os.environ["TPKIT_THREADS"] == "3"
