@@ -62,3 +62,14 @@ def build_tiny_clip(path: Path, layers: int = 1, seed: int = 0) -> Path:
     CLIPProcessor(image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
                   tokenizer=tok).save_pretrained(path)
     return path
+
+
+def cli(*argv) -> int:
+    """The `tpkit` command line run in this process (same code as the console script); its exit code."""
+    from tpkit.cli import main
+
+    try:
+        main([str(a) for a in argv])
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0

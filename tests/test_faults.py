@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import cli
 
 from tpkit import layout
 
@@ -94,17 +95,6 @@ def env(**extra: str) -> dict:
     e = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     e.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **extra)
     return e
-
-
-def cli(*argv) -> int:
-    """The `tpkit` command line run in this process (same code as the console script)."""
-    from tpkit.cli import main
-
-    try:
-        main([str(a) for a in argv])
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
 
 
 def rollout_argv(prompts: Path, out: Path) -> list:

@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import cli
 
 from tpkit import layout
 
@@ -36,16 +37,6 @@ REWARDS = textwrap.dedent("""
     def nan_once(images, prompts, metadata):
         return [float("nan")] + [1.0] * (len(images) - 1)
 """)
-
-
-def cli(*argv) -> int:
-    from tpkit.cli import main
-
-    try:
-        main([str(a) for a in argv])
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
 
 
 def snapshot(folder: Path) -> dict[str, str]:

@@ -486,21 +486,25 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
         if progress and not console.is_terminal and tr.step % 50 == 0:
             console.print(f"{text} ({torch.get_num_threads()} threads, {tr.seconds / 60:.1f} min)", highlight=False)
 
+    def report(phase: str, name: str, value: float, smoothed: list, task, total: int) -> None:
+        """One finished step of a phase: smoothed loss (kept every 10 steps), progress bar, log line."""
+        tr.step += 1
+        smoothed[0] = value if smoothed[0] is None else 0.98 * smoothed[0] + 0.02 * value
+        if tr.step % 10 == 0:
+            tr.losses.append((phase, tr.step, smoothed[0]))
+        bar.update(task, advance=1, info=f"{name} {smoothed[0]:.4f} ({torch.get_num_threads()} thr)")
+        log(f"{phase} {tr.step}/{total} {name} {smoothed[0]:.4f}")
+
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=console, disable=not progress) as bar:
         if tr.phase == "vae":
             task = bar.add_task("vae", total=r.vae_steps, completed=tr.step, info="")
-            ema_loss = None
+            smoothed = [None]
             while tr.step < r.vae_steps:
                 with threads:
                     l1 = tr.vae_step()
-                tr.step += 1
-                ema_loss = l1 if ema_loss is None else 0.98 * ema_loss + 0.02 * l1
-                if tr.step % 10 == 0:
-                    tr.losses.append(("vae", tr.step, ema_loss))
-                bar.update(task, advance=1, info=f"L1 {ema_loss:.4f} ({torch.get_num_threads()} thr)")
-                log(f"vae {tr.step}/{r.vae_steps} L1 {ema_loss:.4f}")
+                report("vae", "L1", l1, smoothed, task, r.vae_steps)
                 if not tick():
                     tr.checkpoint()
                     return None
@@ -520,16 +524,11 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
             tr.checkpoint()
         tr.load_data()
         task = bar.add_task("flow", total=r.flow_steps, completed=tr.step, info="")
-        ema_loss = None
+        smoothed = [None]
         while tr.step < r.flow_steps:
             with threads:
                 loss = tr.flow_step()
-            tr.step += 1
-            ema_loss = loss if ema_loss is None else 0.98 * ema_loss + 0.02 * loss
-            if tr.step % 10 == 0:
-                tr.losses.append(("flow", tr.step, ema_loss))
-            bar.update(task, advance=1, info=f"loss {ema_loss:.4f} ({torch.get_num_threads()} thr)")
-            log(f"flow {tr.step}/{r.flow_steps} loss {ema_loss:.4f}")
+            report("flow", "loss", loss, smoothed, task, r.flow_steps)
             if r.snapshot_every and tr.step % r.snapshot_every == 0 and tr.step < r.flow_steps:
                 save_pipeline(tr.ema_pipeline(), out / "snapshots" / f"step-{tr.step:05d}")
             if not tick():
