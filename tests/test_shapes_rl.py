@@ -34,7 +34,9 @@ def test_one_round_of_the_main_job(tmp_path):
     rewards = np.asarray(scores["reward"].to_pylist())
     assert np.isfinite(rewards).all() and rewards.max() <= 1
     assert rewards.max() > 0 and rewards.std() > 0
-    # the round trained and evaluated its adapter on the held-out prompts
+    # the run evaluated the base model once, then the round's adapter, on the held-out prompts
+    base = run.base_eval(tmp_path / "run")
+    assert base is not None and 0 <= base["geneval_overall"] <= 1
     assert line["eval"] is not None and 0 <= line["eval"]["geneval_overall"] <= 1
     train = json.loads((tmp_path / "run" / "round-0000" / "train" / layout.MANIFEST).read_text())
     assert train["counts"]["optimizer_steps"] >= 1

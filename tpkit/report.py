@@ -40,6 +40,11 @@ def reward_by_branch(score_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
     return ks, np.array([r[k == b].mean() for b in ks])
 
 
+def eval_key(summary: dict) -> str:
+    """The headline of a held-out evaluation: GenEval overall accuracy, else the first reward's mean."""
+    return "geneval_overall" if "geneval_overall" in summary else next(iter(summary))
+
+
 def write(run_dir: Path, lines: list[dict]) -> Path:
     import matplotlib
 
@@ -69,7 +74,11 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
     a.set(title="final reward R_K per round", xlabel="round", ylabel="reward")
     evals = [(x["round"], x["eval"]) for x in lines if x.get("eval")]
     if evals:  # held-out evaluation (eval_every): GenEval overall accuracy, else the first reward's mean
-        key = "geneval_overall" if "geneval_overall" in evals[0][1] else next(iter(evals[0][1]))
+        from tpkit.run import base_eval
+
+        key = eval_key(evals[0][1])
+        if base := base_eval(run_dir):  # the starting model, drawn at round -1
+            evals.insert(0, (-1, base))
         b = a.twinx()
         b.plot([r for r, _ in evals], [e.get(key) for _, e in evals], "s--", color="tab:red", label=f"held-out {key}")
         b.set_ylabel(f"held-out {key}", color="tab:red")

@@ -17,10 +17,30 @@ from tpkit.config import Recipe
 from tpkit.errors import ConfigError, TpkitError
 
 RUN_TOML, ROUND_JSON = "run.toml", "round.json"
+BASE_EVAL = "eval-base"  # the held-out evaluation of the starting model, before round 0
 
 
 def eval_dir(run_dir: Path, r: int) -> Path:
     return layout.round_dir(run_dir, r) / "eval"
+
+
+def base_eval(run_dir: Path) -> dict | None:
+    """The headline numbers of the starting model's evaluation (what every round's is compared with)."""
+    return _eval_summary(Path(run_dir) / BASE_EVAL)
+
+
+def evaluate_base(recipe: Recipe, run_dir: Path) -> None:
+    """Held-out evaluation of the model the run starts from (no adapter), once per run folder."""
+    from tpkit import evaluate
+
+    from tpkit.ui import console
+
+    folder = run_dir / BASE_EVAL
+    cfg = dataclasses.replace(recipe.eval, out=str(folder), lora=None)
+    if not done(folder, lambda: evaluate.identity(cfg.validate())):
+        console.rule(f"[bold]held-out evaluation of the base model[/] ({folder})")
+        evaluate.run(cfg)  # all processes: rank-split like every stage
+    wait_for(folder / layout.MANIFEST, "the base model's evaluation")
 
 
 def stage_dirs(run_dir: Path, r: int) -> dict[str, Path]:
@@ -45,6 +65,15 @@ def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
                               "continue with the same recipe and --set options, pass a new --out, "
                               "or --overwrite to start that run again")
     layout.atomic_write(saved_path, tomli_w.dumps(current).encode())
+
+
+def done(folder: Path, expected) -> bool:
+    """A finished stage is kept only if it holds what this run would write (expected(): its identity)."""
+    if not (folder / layout.MANIFEST).is_file():
+        return False
+    if "options" in (layout.folder_identity(folder) or {}):  # not a folder of an older tpkit
+        layout.check_out(folder, expected(), overwrite=False)
+    return True
 
 
 def _timed(fn, cfg) -> tuple[dict | None, float]:
@@ -77,14 +106,6 @@ def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | No
     # which is evaluated, while sampling and training continue the policy itself, as in the release).
     prev_adapter = train.policy_adapter(stage_dirs(run_dir, r - 1)["train"] / train.ADAPTER) if r > 0 else None
     seconds = {}
-
-    def done(folder: Path, expected) -> bool:
-        """A finished stage is kept only if it holds what this round would write (expected(): its identity)."""
-        if not (folder / layout.MANIFEST).is_file():
-            return False
-        if "options" in (layout.folder_identity(folder) or {}):  # not a folder of an older tpkit
-            layout.check_out(folder, expected(), overwrite=False)
-        return True
 
     # 1. Rollout with the previous round's policy; a fresh seed every round.
     cfg = dataclasses.replace(recipe.rollout, out=str(d["rollout"]), seed=recipe.seed + r,
@@ -204,7 +225,11 @@ def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
         claim_run_folder(run_dir, recipe, overwrite, world)
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    # 2. Rounds; finished ones are skipped, a half-finished one resumes at its first missing stage.
+    # 2. With a held-out evaluation: the starting model's, the point the rounds' are measured from.
+    if recipe.eval_every:
+        evaluate_base(recipe, run_dir)
+
+    # 3. Rounds; finished ones are skipped, a half-finished one resumes at its first missing stage.
     lines: list[dict] = []
     t0 = time.perf_counter()
     for r in range(recipe.rounds):
@@ -220,7 +245,7 @@ def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
         if line is None:
             wait_for(layout.round_dir(run_dir, r) / ROUND_JSON, f"round {r}")
             continue
-        # 3. After every round (main process): rounds.jsonl and report.png.
+        # 4. After every round (main process): rounds.jsonl and report.png.
         lines = write_rounds(run_dir, recipe.rounds)
         report.write(run_dir, lines)
     if rank != 0:

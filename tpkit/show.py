@@ -21,8 +21,8 @@ def _kv_table(title: str, items: dict) -> Table:
     return t
 
 
-def _fmt(x: float) -> str:
-    return f"{x:.4g}"
+def _fmt(x: float | None) -> str:
+    return "" if x is None else f"{x:.4g}"
 
 
 def manifest_summary(manifest: dict) -> None:
@@ -133,15 +133,22 @@ def train_view(folder: Path) -> None:
     console.print(t)
 
 
-def rounds_view(lines: list[dict]) -> None:
-    """rounds.jsonl: final reward and turning points per round."""
+def rounds_view(lines: list[dict], base_eval: dict | None = None) -> None:
+    """rounds.jsonl: final reward, turning points and (with eval_every) the held-out evaluation per round,
+    below the starting model's evaluation (`base_eval`)."""
+    from tpkit.report import eval_key
+
+    evals = [x["eval"] for x in lines if x.get("eval")] + ([base_eval] if base_eval else [])
+    key = eval_key(evals[0]) if evals else None
     t = Table(title="rounds", title_justify="left")
-    for c in ("round", "reward", "s.e.", "std", "n", "TP rate", "calls", "seconds"):
+    for c in ("round", "reward", "s.e.", "std", "n", "TP rate", "calls", "seconds") + ((f"held-out {key}",) if key else ()):
         t.add_column(c, justify="right")
+    if base_eval:
+        t.add_row("base", *[""] * 7, _fmt(base_eval.get(key)))
     for x in lines:
         t.add_row(str(x["round"]), _fmt(x["reward_mean"]), _fmt(x["reward_stderr"]), _fmt(x["reward_std"]),
                   str(x["n"]), f"{x['turning_point_rate']:.1%}", str(x["transformer_calls"]),
-                  f"{sum(x['seconds'].values()):.1f}")
+                  f"{sum(x['seconds'].values()):.1f}", *([_fmt((x.get("eval") or {}).get(key))] if key else []))
     console.print(t)
 
 
@@ -169,7 +176,9 @@ def inspect(path: Path) -> None:
     if path.is_dir() and (path / layout.ROUNDS_FILE).is_file():  # a `tpkit run` folder
         lines = [json.loads(x) for x in (path / layout.ROUNDS_FILE).read_text().splitlines() if x.strip()]
         console.print(f"[bold]{path}[/]: run with {len(lines)} finished rounds")
-        rounds_view(lines)
+        from tpkit.run import base_eval
+
+        rounds_view(lines, base_eval(path))
         return
     if path.is_dir():
         manifest_path = path / layout.MANIFEST
