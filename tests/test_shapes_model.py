@@ -92,7 +92,7 @@ def test_tiny_shapes_ships_with_the_package_and_generates(monkeypatch):
     x = torch.randn(1, *model.latent_shape(sm.RESOLUTION), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for t in range(4):
-            x = formulas.ode_step(x, model.velocity(x, torch.full((1,), sigmas[t]), emb, 4.5), sigmas[t], sigmas[t + 1])
+            x = formulas.ode_step(x, model.velocity(x, torch.full((1,), sigmas[t]), emb, sm.GUIDANCE), sigmas[t], sigmas[t + 1])
     image = model.decode(x)
     assert image.shape == (1, sm.RESOLUTION, sm.RESOLUTION, 3) and image.dtype == np.uint8
     assert image.std() > 5  # not a blank canvas

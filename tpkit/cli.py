@@ -30,6 +30,7 @@ _WORLD = typer.Option(None, help="Number of processes (default: $WORLD_SIZE or 1
 _DEVICE = typer.Option("auto", help="cuda, cpu, cuda:1 ... (auto: cuda if available).")
 _DTYPE = typer.Option("auto", help="Model dtype: auto (bf16 on CUDA, float32 on CPU), float32, bf16, fp16.")
 _TEXT_LENGTH = typer.Option(None, help="T5 tokens per prompt (default: the model's; 128 for SD3.5, as the release).")
+_GUIDANCE = typer.Option(None, help="Classifier-free guidance scale (default: the model's; 4.5 for SD3.5, as the release).")
 
 
 @app.command()
@@ -39,7 +40,7 @@ def rollout(
     model: str = typer.Option(TINY_MODEL, help="Hub id, local folder, or tiny-sd3 (built-in, nothing to download)."),
     group_size: int = typer.Option(24, help="Trajectories per prompt (the GRPO group)."),
     steps: int = typer.Option(10, help="Sampling steps T."),
-    guidance: float = typer.Option(4.5, help="Classifier-free guidance scale."),
+    guidance: Optional[float] = _GUIDANCE,
     resolution: Optional[int] = typer.Option(None, help="Image size in pixels (default 512; 64 for tiny-sd3)."),
     sampler: str = typer.Option("cps", help="sde (Flow-GRPO) or cps (coefficients-preserving; the paper's)."),
     noise_level: float = typer.Option(0.7, help="Noise level a of the stochastic sampler."),
@@ -201,7 +202,7 @@ def run_recipe(
     r = load_recipe(recipe, set_, rounds=rounds, out=str(out) if out else None)
     lines = stage.run(r, overwrite=overwrite)
     if lines:  # the main process reports; the others return nothing
-        rounds_view(lines)
+        rounds_view(lines, stage.base_eval(Path(r.out)))
         _done(Path(r.out))
 
 
@@ -210,7 +211,7 @@ app.add_typer(eval_app, name="eval")
 
 
 def _eval(kind: str, model: str, lora: Optional[Path], prompts: Optional[Path], out: Path, images: Optional[Path],
-          reward: list[str], reward_opt: list[str], images_per_prompt: int, steps: int, guidance: float,
+          reward: list[str], reward_opt: list[str], images_per_prompt: int, steps: int, guidance: Optional[float],
           resolution: Optional[int], seed: int, batch_size: int, max_sequence_length: Optional[int], device: str,
           dtype: str, rank, world_size) -> None:
     from tpkit import evaluate
@@ -236,7 +237,7 @@ def eval_reward(
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter folder (e.g. runs/NAME/round-NNNN/train/adapter)."),
     images: Optional[Path] = typer.Option(None, help="Score this folder of images (GenEval layout) instead of generating."),
     images_per_prompt: int = typer.Option(4), steps: int = typer.Option(40, help="ODE steps."),
-    guidance: float = typer.Option(4.5), resolution: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
+    guidance: Optional[float] = _GUIDANCE, resolution: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
     batch_size: int = typer.Option(8), max_sequence_length: Optional[int] = _TEXT_LENGTH, device: str = _DEVICE,
     dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
 ) -> None:
@@ -255,7 +256,7 @@ def eval_geneval(
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter folder."),
     images: Optional[Path] = typer.Option(None, help="Judge this folder of images (GenEval layout) instead of generating."),
     images_per_prompt: int = typer.Option(4), steps: int = typer.Option(40, help="ODE steps."),
-    guidance: float = typer.Option(4.5), resolution: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
+    guidance: Optional[float] = _GUIDANCE, resolution: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
     batch_size: int = typer.Option(8), max_sequence_length: Optional[int] = _TEXT_LENGTH, device: str = _DEVICE,
     dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
 ) -> None:

@@ -26,13 +26,15 @@ KL_MODES = ("release", "exact")
 
 # Per-model defaults where a model is not SD3.5-sized. Text length = T5 tokens per prompt
 # (`max_sequence_length`): 128 as the authors' release encodes prompts in training and evaluation.
-_DEFAULTS = {"resolution": 512, "text_length": 128}
+# Guidance: the CFG scale of rollouts and evaluation, 4.5 as the release samples SD3.5.
+_DEFAULTS = {"resolution": 512, "text_length": 128, "guidance": 4.5}
 MODEL_DEFAULTS = {TINY_MODEL: {"resolution": 64, "text_length": 128},
-                  SHAPES_MODEL: {"resolution": 64, "text_length": 12}}  # trained with 12 T5 tokens
+                  # trained with 12 T5 tokens; guidance chosen on train-split prompts after pretraining (README)
+                  SHAPES_MODEL: {"resolution": 64, "text_length": 12, "guidance": 2.0}}
 
 
 def model_default(model: str, key: str):
-    """A default that depends on the model (resolution, text_length); SD3.5's for hub ids and folders."""
+    """A default that depends on the model (resolution, text_length, guidance); SD3.5's for hub ids and folders."""
     return MODEL_DEFAULTS.get(model, _DEFAULTS).get(key, _DEFAULTS[key])
 
 
@@ -103,7 +105,7 @@ class RolloutConfig:
     out: str = ""
     group_size: int = 24
     steps: int = 10
-    guidance: float = 4.5
+    guidance: float | None = None  # None: the model's (4.5 for SD3.5)
     resolution: int | None = None  # None: the model's (512; 64 for tiny-sd3)
     sampler: str = "cps"
     noise_level: float = 0.7
@@ -127,6 +129,8 @@ class RolloutConfig:
             self.resolution = model_default(self.model, "resolution")
         if self.max_sequence_length is None:
             self.max_sequence_length = model_default(self.model, "text_length")
+        if self.guidance is None:
+            self.guidance = model_default(self.model, "guidance")
 
     def validate(self) -> "RolloutConfig":
         check_types(self)
@@ -219,7 +223,7 @@ class EvalConfig:
     reward_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     images_per_prompt: int = 4
     steps: int = 40
-    guidance: float = 4.5
+    guidance: float | None = None  # None: the model's (4.5 for SD3.5)
     resolution: int | None = None
     seed: int = 0
     batch_size: int = 8
@@ -241,6 +245,8 @@ class EvalConfig:
             self.resolution = model_default(self.model, "resolution")
         if self.max_sequence_length is None:
             self.max_sequence_length = model_default(self.model, "text_length")
+        if self.guidance is None:
+            self.guidance = model_default(self.model, "guidance")
         for name in ("images_per_prompt", "steps", "batch_size", "grid_prompts", "max_sequence_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be >= 1", f"set {name} to a positive value")

@@ -41,8 +41,9 @@ counting asks for 2-4 and excludes one more. The whole prompt space is small (4 
 per task, the prompts are grouped by GenEval's order-free `prompt_key` ("A and B" == "B and A",
 "A left of B" == "B right of A"), the groups are ordered by a salted SHA-256 of the key, and the
 first third (rounded up) are held out for test (`is_test`). Every task is in both splits, and no
-train prompt is a test prompt even after reordering its objects or mirroring its relation; the
-test measures generalisation to unseen combinations of seen shapes, colours, counts and relations.
+train prompt is a test prompt even after reordering its objects or mirroring its relation: RL on
+the train split is measured on combinations of shapes, colours, counts and relations it never
+trained on (pretraining, like SD3.5's, sees scenes of every prompt).
 `prompts(split, n)` lists `n` prompts per task, cycling over the split's prompts (all of its
 groups are listed before any repeats) so that every task has the same number of lines.
 """
@@ -222,8 +223,7 @@ def _copy(meta: dict) -> dict:
 def sample_scene(rng: np.random.Generator, task: str | None = None, size: int = CANVAS,
                  split: str | None = None) -> Scene:
     """A random scene satisfying a random prompt of `task` (None: a random task). split "train" or
-    "test" draws the prompt from that split only (pretraining on `split="train"` keeps the test
-    prompts unseen); None draws from all prompts."""
+    "test" draws the prompt from that split only; None draws from all prompts (as pretraining does)."""
     task = TAGS[int(rng.integers(len(TAGS)))] if task is None else task
     if task not in TAGS:
         raise ValueError(f"unknown task {task!r}; one of {', '.join(TAGS)}")
