@@ -222,10 +222,11 @@ def _images(scenes) -> torch.Tensor:
     return torch.from_numpy(arr).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
-def random_scenes(rng: np.random.Generator, n: int, split: str | None = None) -> list:
+def random_scenes(rng: np.random.Generator, n: int) -> list:
+    """Scenes for random prompts of both splits (task uniform, prompt uniform within it)."""
     from tpkit import shapes
 
-    return [shapes.sample_scene(rng, size=RESOLUTION, split=split) for _ in range(n)]
+    return [shapes.sample_scene(rng, size=RESOLUTION) for _ in range(n)]
 
 
 def sample_sigmas(gen: torch.Generator, n: int, uniform_share: float) -> torch.Tensor:
@@ -365,7 +366,7 @@ class _Trainer:
     def vae_step(self) -> float:
         vae = self.pipe.vae
         vae.train()
-        images = _images(random_scenes(self.rng, self.r.vae_batch, split=None))
+        images = _images(random_scenes(self.rng, self.r.vae_batch))
         c = self.r.vae_crop
         if c < RESOLUTION:
             xy = self.rng.integers(0, (RESOLUTION - c) // 4 + 1, size=(len(images), 2)) * 4
@@ -383,7 +384,7 @@ class _Trainer:
         vae = self.pipe.vae.eval()
         rng = np.random.default_rng([self.r.seed, 1])
         n = self.r.vae_stats_scenes
-        z = torch.cat([vae.encode(_images(random_scenes(rng, min(128, n - i), split=None))).latent_dist.mean
+        z = torch.cat([vae.encode(_images(random_scenes(rng, min(128, n - i)))).latent_dist.mean
                        for i in range(0, n, 128)])
         vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1.0 / z.std()))
 
