@@ -29,18 +29,17 @@ def base_eval(run_dir: Path) -> dict | None:
     return _eval_summary(Path(run_dir) / BASE_EVAL)
 
 
-def evaluate_base(recipe: Recipe, run_dir: Path) -> None:
-    """Held-out evaluation of the model the run starts from (no adapter), once per run folder."""
+def evaluate_into(recipe: Recipe, folder: Path, lora: Path | None, what: str) -> float | None:
+    """The recipe's held-out evaluation of the base model plus `lora` (None: the base model alone)
+    into `folder`, unless it is already there; its seconds when it ran."""
     from tpkit import evaluate
 
-    from tpkit.ui import console
-
-    folder = run_dir / BASE_EVAL
-    cfg = dataclasses.replace(recipe.eval, out=str(folder), lora=None)
+    cfg = dataclasses.replace(recipe.eval, out=str(folder), lora=str(lora) if lora else None)
+    seconds = None
     if not done(folder, lambda: evaluate.identity(cfg.validate())):
-        console.rule(f"[bold]held-out evaluation of the base model[/] ({folder})")
-        evaluate.run(cfg)  # all processes: rank-split like every stage
-    wait_for(folder / layout.MANIFEST, "the base model's evaluation")
+        _, seconds = _timed(evaluate.run, cfg)  # all processes: rank-split like every stage
+    wait_for(folder / layout.MANIFEST, what)
+    return seconds
 
 
 def stage_dirs(run_dir: Path, r: int) -> dict[str, Path]:
@@ -134,12 +133,8 @@ def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | No
         wait_for(d["train"] / layout.MANIFEST, "train")
     # 5. Every eval_every rounds: held-out evaluation of this round's adapter.
     if recipe.eval_every and (r + 1) % recipe.eval_every == 0:
-        from tpkit import evaluate
-
-        cfg = dataclasses.replace(recipe.eval, out=str(eval_dir(run_dir, r)), lora=str(d["train"] / train.ADAPTER))
-        if not done(eval_dir(run_dir, r), lambda: evaluate.identity(cfg.validate())):
-            _, seconds["eval"] = _timed(evaluate.run, cfg)
-        wait_for(eval_dir(run_dir, r) / layout.MANIFEST, "eval")
+        if (t := evaluate_into(recipe, eval_dir(run_dir, r), d["train"] / train.ADAPTER, "eval")) is not None:
+            seconds["eval"] = t
     if rank != 0:
         return None
 
@@ -227,7 +222,9 @@ def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
 
     # 2. With a held-out evaluation: the starting model's, the point the rounds' are measured from.
     if recipe.eval_every:
-        evaluate_base(recipe, run_dir)
+        if not (run_dir / BASE_EVAL / layout.MANIFEST).is_file():
+            console.rule(f"[bold]held-out evaluation of the base model[/] ({run_dir / BASE_EVAL})")
+        evaluate_into(recipe, run_dir / BASE_EVAL, None, "the base model's evaluation")
 
     # 3. Rounds; finished ones are skipped, a half-finished one resumes at its first missing stage.
     lines: list[dict] = []
