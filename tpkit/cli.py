@@ -266,8 +266,27 @@ def eval_geneval(
           resolution, seed, batch_size, max_sequence_length, device, dtype, rank, world_size)
 
 
-prompts_app = typer.Typer(help="Write prompt sets.", no_args_is_help=True)
+prompts_app = typer.Typer(help="List the prompt sets tpkit ships; write the generated ones.", no_args_is_help=True)
 app.add_typer(prompts_app, name="prompts")
+
+
+@prompts_app.command("list")
+def prompts_list() -> None:
+    """Every prompt set in data/: how many prompts, what it is, where it comes from."""
+    from rich.table import Table
+
+    from tpkit.prompt_sets import DATA, SHIPPED
+    from tpkit.ui import console
+
+    table = Table(title=f"prompt sets in {DATA}")
+    for col in ("file", "prompts", "what", "source"):
+        table.add_column(col, overflow="fold")
+    for s in SHIPPED:
+        table.add_row(s.file if (DATA / s.file).is_file() else f"{s.file} [red](missing)[/]", str(s.prompts), s.what, s.how)
+    console.print(table)
+    if not DATA.is_dir():
+        console.print("[yellow]data/ is not here[/]: the sets ship with the source checkout; "
+                      "`tpkit prompts geneval|shapes` write the generated ones")
 
 
 @prompts_app.command("geneval")
