@@ -162,6 +162,8 @@ def train(
     seed: int = typer.Option(0, help="Seed of the micro-batch order."),
     checkpoint_every: int = typer.Option(1, help="Save a resumable checkpoint every N optimizer steps (0: never)."),
     overwrite: bool = typer.Option(False, help="Clear the output folder first and redo the stage."),
+    log_with: str = typer.Option("none", help="Track the metrics of every optimizer step: none, tensorboard "
+                                             "(OUT/tensorboard/) or wandb (OUT/wandb/; offline without network)."),
     device: str = _DEVICE, dtype: str = _DTYPE,
 ) -> None:
     """GRPO updates of a LoRA on the cached transitions (accelerate; multi-GPU with `accelerate launch`)."""
@@ -178,7 +180,7 @@ def train(
         micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision, ema=ema,
         ema_decay=ema_decay, gradient_checkpointing=gradient_checkpointing, max_bad_steps=max_bad_steps,
         allow_no_op=allow_no_op, seed=seed,
-        checkpoint_every=checkpoint_every, overwrite=overwrite, device=device, dtype=dtype,
+        checkpoint_every=checkpoint_every, overwrite=overwrite, log_with=log_with, device=device, dtype=dtype,
     )
     manifest = stage.run(cfg)
     if manifest:  # only the main process has one under accelerate launch
@@ -193,13 +195,15 @@ def run_recipe(
     rounds: Optional[int] = typer.Option(None, help="Number of rounds (overrides the recipe)."),
     set_: List[str] = typer.Option([], "--set", help="Override a recipe key: --set train.learning_rate=1e-3 (repeatable)."),
     overwrite: bool = typer.Option(False, help="Clear the run folder first and start the run again."),
+    log_with: Optional[str] = typer.Option(None, help="none, tensorboard (RUN/tensorboard/) or wandb (RUN/wandb/; "
+                                                     "offline without network); default: the recipe's log_with."),
 ) -> None:
     """Rounds of rollout -> score -> advantages -> train from one recipe; rerun to continue."""
     from tpkit import run as stage
     from tpkit.config import load_recipe
     from tpkit.show import rounds_view
 
-    r = load_recipe(recipe, set_, rounds=rounds, out=str(out) if out else None)
+    r = load_recipe(recipe, set_, rounds=rounds, out=str(out) if out else None, log_with=log_with)
     lines = stage.run(r, overwrite=overwrite)
     if lines:  # the main process reports; the others return nothing
         rounds_view(lines, stage.base_eval(Path(r.out)))

@@ -21,6 +21,7 @@ METHODS = ("tp-grpo", "flow-grpo")
 BRANCHES = ("all", "final")
 BALANCE = ("all", "none")
 STD_MODES = ("group", "global")
+TRACKERS = ("none", "tensorboard", "wandb")  # --log-with (tpkit.track)
 PRECISIONS = ("no", "fp16", "bf16")
 KL_MODES = ("release", "exact")
 
@@ -296,6 +297,7 @@ class TrainConfig:
     max_bad_steps: int = 3  # stop after this many non-finite losses in a row
     checkpoint_every: int = 1  # save adapter + optimizer every N optimizer steps (0: only at the end)
     overwrite: bool = False  # clear the output folder first and redo the stage
+    log_with: str = "none"  # none | tensorboard | wandb: train metrics per optimizer step (tpkit.track)
     seed: int = 0
     dtype: str = "auto"
     device: str = "auto"
@@ -304,6 +306,7 @@ class TrainConfig:
         check_types(self)
         _choice("mixed_precision", self.mixed_precision, PRECISIONS)
         _choice("kl", self.kl, KL_MODES)
+        _choice("log_with", self.log_with, TRACKERS)
         for name in ("ema_every", "lora_rank", "lora_alpha", "learning_rate", "optimizer_steps", "max_grad_norm", "adv_clip",
                      "clip_range", "max_bad_steps"):
             _positive(name, getattr(self, name))
@@ -373,12 +376,12 @@ _WIRED = {
     "rollout": {"out", "lora", "rank", "world_size", "seed", "overwrite"},
     "score": {"rollout", "out", "rewards", "reward_options", "rank", "world_size", "overwrite"},
     "advantages": {"scores", "out", "method", "overwrite"},
-    "train": {"rollout", "advantages", "out", "init_lora", "seed", "overwrite"},
+    "train": {"rollout", "advantages", "out", "init_lora", "seed", "overwrite", "log_with"},
     "eval": {"model", "lora", "out", "images", "resolution", "rank", "world_size", "overwrite"},
 }
 _SECTIONS = {"rollout": RolloutConfig, "score": ScoreConfig, "advantages": AdvantagesConfig, "train": TrainConfig,
              "eval": EvalConfig}
-_TOP = {"name", "rounds", "out", "method", "seed", "rewards", "eval_every"}
+_TOP = {"name", "rounds", "out", "method", "seed", "rewards", "eval_every", "log_with", "log_images_every"}
 
 
 @dataclass
@@ -394,6 +397,8 @@ class Recipe:
     train: TrainConfig
     eval: EvalConfig
     eval_every: int = 0  # evaluate the adapter every N rounds (0: never), logged in rounds.jsonl
+    log_with: str = "none"  # none | tensorboard | wandb (tpkit.track); may change when a run is continued
+    log_images_every: int = 5  # with a tracker: a grid of the round's samples every N rounds (0: never)
 
     def to_dict(self) -> dict:
         """The resolved recipe, as saved in run.toml (None values dropped: TOML has no null)."""
@@ -404,7 +409,8 @@ class Recipe:
         rewards = {k: ({"weight": w, **self.score.reward_options[k]} if self.score.reward_options.get(k) else w)
                    for k, w in self.score.rewards.items()}
         d = {"name": self.name, "rounds": self.rounds, "out": self.out, "method": self.method, "seed": self.seed,
-             "rewards": rewards, "eval_every": self.eval_every}
+             "rewards": rewards, "eval_every": self.eval_every, "log_with": self.log_with,
+             "log_images_every": self.log_images_every}
         for section, cls in _SECTIONS.items():
             d[section] = {k: v for k, v in asdict(getattr(self, section)).items() if k not in _WIRED[section]}
         return clean(d)
@@ -455,7 +461,8 @@ def _recipe_rewards(rewards: Any, path: Path) -> tuple[dict[str, float], dict[st
     return weights, options
 
 
-def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None = None, out: str | None = None) -> Recipe:
+def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None = None, out: str | None = None,
+                log_with: str | None = None) -> Recipe:
     """Parse, override, check every key, resolve paths (relative to the recipe's folder) and validate."""
     import tomllib
 
@@ -489,7 +496,7 @@ def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None 
             raise ConfigError(f"{path}: [{name}]: {e}", "check the section's keys and values") from None
         check_types(sections[name], name)
     for key, kind in (("name", "str"), ("rounds", "int"), ("out", "str"), ("method", "str"), ("seed", "int"),
-                      ("eval_every", "int")):
+                      ("eval_every", "int"), ("log_with", "str"), ("log_images_every", "int")):
         if key in data and not _type_ok(data[key], kind)[0]:
             raise ConfigError(f"{path}: {key} = {data[key]!r} is not of type {kind}", f"set {key} to a {kind} value")
     method = data.get("method", "tp-grpo")
@@ -513,9 +520,12 @@ def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None 
     recipe = Recipe(
         name=str(data.get("name", path.stem)), rounds=int(rounds if rounds is not None else data.get("rounds", 1)),
         out=str(out or data.get("out") or Path("runs") / path.stem), method=method, seed=int(data.get("seed", 0)),
-        eval_every=int(data.get("eval_every", 0)), **sections,
+        eval_every=int(data.get("eval_every", 0)), log_with=str(log_with or data.get("log_with", "none")),
+        log_images_every=int(data.get("log_images_every", 5)), **sections,
     )
     _positive("eval_every", recipe.eval_every, allow_zero=True)
+    _positive("log_images_every", recipe.log_images_every, allow_zero=True)
+    _choice("log_with", recipe.log_with, TRACKERS)
     if recipe.eval_every:
         recipe.eval.validate()
     _positive("rounds", recipe.rounds)

@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from tpkit import layout
+from tpkit import layout, tracking
 from tpkit.config import Recipe
 from tpkit.errors import ConfigError, TpkitError
 
@@ -47,8 +47,16 @@ def stage_dirs(run_dir: Path, r: int) -> dict[str, Path]:
     return {s: base / s for s in ("rollout", "score", "advantages", "train")}
 
 
+# Recipe keys a continued run may change: how far to go and where to log.
+FREE_ON_CONTINUE = ("rounds", "log_with", "log_images_every")
+
+
+def _fixed(recipe: dict) -> dict:
+    return {k: v for k, v in recipe.items() if k not in FREE_ON_CONTINUE}
+
+
 def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
-    """A continued run must use the recipe it started with (only `rounds` may change)."""
+    """A continued run must use the recipe it started with (but for FREE_ON_CONTINUE)."""
     import tomllib
 
     import tomli_w
@@ -57,7 +65,7 @@ def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
     current = recipe.to_dict()
     if saved_path.is_file():
         saved = tomllib.loads(saved_path.read_text())
-        a, b = dict(saved, rounds=0), dict(current, rounds=0)
+        a, b = _fixed(saved), _fixed(current)
         if a != b:
             diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
             raise ConfigError(f"{run_dir} was started with a different recipe (differs in: {', '.join(diff)})",
@@ -182,6 +190,42 @@ def _eval_summary(folder: Path) -> dict | None:
     return {c: v["mean"] for c, v in s["overall"].items()}
 
 
+def log_round(tracker: tracking.Tracker, recipe: Recipe, run_dir: Path, line: dict) -> None:
+    """One finished round to the tracker: its train metrics at their optimizer steps; reward, turning
+    points, calls, seconds and evaluation at its last step; every log_images_every rounds a grid of
+    its samples (the first prompts' groups)."""
+    from tpkit import report
+
+    r, d = line["round"], stage_dirs(run_dir, line["round"])
+    metrics = [json.loads(x) for x in (d["train"] / layout.METRICS_FILE).read_text().splitlines() if x.strip()]
+    for m in metrics:
+        tracker.scalars(tracking.train_scalars(m), m["step"])
+    step = json.loads((d["train"] / layout.MANIFEST).read_text())["counts"]["global_step"]
+    values = {"round": r, "reward/mean": line["reward_mean"], "reward/std": line["reward_std"],
+              "reward/stderr": line["reward_stderr"], "turning_points/rate": line["turning_point_rate"],
+              "turning_points/kept": line["turning_points_kept"], "calls/transformer": line["transformer_calls"],
+              "calls/decodes": line["decodes"], "calls/reward": line["reward_calls"],
+              **{f"seconds/{k}": v for k, v in line["seconds"].items()},
+              **{f"turning_points/rate_step_{k}": v for k, v in enumerate(line["tp_rate_per_step"])}}
+    tracker.scalars(values, step)
+    if line["eval"] is not None:
+        log_eval(tracker, eval_dir(run_dir, r), "eval", step)
+    if recipe.log_images_every and r % recipe.log_images_every == 0:
+        images = report.final_images(d["rollout"], 2 * recipe.rollout.group_size)
+        if images:
+            tracker.images({"samples": tracking.tile(images, recipe.rollout.group_size)}, step)
+
+
+def log_eval(tracker: tracking.Tracker, folder: Path, prefix: str, step: int) -> None:
+    """A held-out evaluation's headline numbers and its grid PNGs."""
+    import numpy as np
+    from PIL import Image
+
+    tracker.scalars({f"{prefix}/{k}": v for k, v in (_eval_summary(folder) or {}).items()}, step)
+    tracker.images({f"{prefix}/{p.stem}": np.asarray(Image.open(p).convert("RGB"))
+                    for p in sorted(folder.glob("grid*.png"))}, step)
+
+
 def write_rounds(run_dir: Path, rounds: int) -> list[dict]:
     """rounds.jsonl rebuilt from every finished round (no duplicates after a restart)."""
     lines = []
@@ -196,7 +240,7 @@ def write_rounds(run_dir: Path, rounds: int) -> list[dict]:
 def claim_run_folder(run_dir: Path, recipe: Recipe, overwrite: bool, world: int) -> None:
     """The run folder holds this recipe's run (any number of rounds) and nothing else; --overwrite
     starts it again from an empty folder."""
-    ident = layout.stage_identity("run", dict(recipe.to_dict(), rounds=None), inputs={})
+    ident = layout.stage_identity("run", dict(_fixed(recipe.to_dict()), rounds=None), inputs={})
     if not overwrite and (run_dir / RUN_TOML).is_file():
         check_same_recipe(run_dir, recipe)  # refuses another recipe, naming the keys that differ
         if not (run_dir / layout.STAGE_FILE).is_file():  # a run started by an older tpkit
@@ -214,37 +258,40 @@ def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
     from tpkit.rewards import load_rewards
 
     rank, world = resolve_rank(None, None)
+    tracking.check_kind(recipe.log_with)
     rewards = load_rewards(recipe.score.rewards, recipe.score.reward_options)  # once, and before any rollout
     run_dir = Path(recipe.out)
     if rank == 0:
         claim_run_folder(run_dir, recipe, overwrite, world)
     run_dir.mkdir(parents=True, exist_ok=True)
+    tracker = tracking.open_tracker(recipe.log_with, run_dir, recipe.name, recipe.to_dict())
+    with tracking.closing(tracker):
+        # 2. With a held-out evaluation: the starting model's, the point the rounds' are measured from.
+        if recipe.eval_every:
+            if not (run_dir / BASE_EVAL / layout.MANIFEST).is_file():
+                console.rule(f"[bold]held-out evaluation of the base model[/] ({run_dir / BASE_EVAL})")
+            if evaluate_into(recipe, run_dir / BASE_EVAL, None, "the base model's evaluation") is not None and tracker:
+                log_eval(tracker, run_dir / BASE_EVAL, "eval_base", 0)
 
-    # 2. With a held-out evaluation: the starting model's, the point the rounds' are measured from.
-    if recipe.eval_every:
-        if not (run_dir / BASE_EVAL / layout.MANIFEST).is_file():
-            console.rule(f"[bold]held-out evaluation of the base model[/] ({run_dir / BASE_EVAL})")
-        evaluate_into(recipe, run_dir / BASE_EVAL, None, "the base model's evaluation")
-
-    # 3. Rounds; finished ones are skipped, a half-finished one resumes at its first missing stage.
-    lines: list[dict] = []
-    t0 = time.perf_counter()
-    for r in range(recipe.rounds):
-        if (layout.round_dir(run_dir, r) / ROUND_JSON).is_file() and (stage_dirs(run_dir, r)["train"] / layout.MANIFEST).is_file():
-            continue
-        elapsed = time.perf_counter() - t0
-        console.rule(f"[bold]round {r + 1}/{recipe.rounds}[/] ({recipe.method}, {run_dir})"
-                     + (f"  elapsed {elapsed:.0f}s" if elapsed > 1 else ""))
-        try:
-            line = run_round(recipe, run_dir, r, rewards)
-        except TpkitError as e:  # a broken round stops the run, saying which round
-            raise type(e)(f"round {r}: {e.message}", e.fix) from e
-        if line is None:
-            wait_for(layout.round_dir(run_dir, r) / ROUND_JSON, f"round {r}")
-            continue
-        # 4. After every round (main process): rounds.jsonl and report.png.
-        lines = write_rounds(run_dir, recipe.rounds)
-        report.write(run_dir, lines)
+        # 3. Rounds; finished ones are skipped, a half-finished one resumes at its first missing stage.
+        t0 = time.perf_counter()
+        for r in range(recipe.rounds):
+            if (layout.round_dir(run_dir, r) / ROUND_JSON).is_file() and (stage_dirs(run_dir, r)["train"] / layout.MANIFEST).is_file():
+                continue
+            elapsed = time.perf_counter() - t0
+            console.rule(f"[bold]round {r + 1}/{recipe.rounds}[/] ({recipe.method}, {run_dir})"
+                         + (f"  elapsed {elapsed:.0f}s" if elapsed > 1 else ""))
+            try:
+                line = run_round(recipe, run_dir, r, rewards)
+            except TpkitError as e:  # a broken round stops the run, saying which round
+                raise type(e)(f"round {r}: {e.message}", e.fix) from e
+            if line is None:
+                wait_for(layout.round_dir(run_dir, r) / ROUND_JSON, f"round {r}")
+                continue
+            # 4. After every round (main process): rounds.jsonl, report.png and the tracker.
+            report.write(run_dir, write_rounds(run_dir, recipe.rounds))
+            if tracker:
+                log_round(tracker, recipe, run_dir, line)
     if rank != 0:
         return []
     lines = write_rounds(run_dir, recipe.rounds)

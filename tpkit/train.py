@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tpkit import formulas, layout
+from tpkit import formulas, layout, tracking
 from tpkit.config import TrainConfig, to_dict
 from tpkit.errors import InputError, TpkitError
 from tpkit.layout import EMBED_KEYS
@@ -92,15 +92,17 @@ def read_advantages(folder: Path) -> dict[tuple[str, int], float]:
 
 def identity(cfg: TrainConfig, rollout: dict, adv_files: list[Path]) -> dict:
     """What a train folder holds: these options applied to this rollout, these advantages (their bytes)
-    and the adapter and state it continues (their contents). Options that only say when to save or
-    to stop (checkpoint_every, max_bad_steps, allow_no_op) may change on a resume."""
+    and the adapter and state it continues (their contents). Options that only say when to save,
+    when to stop or where to log (checkpoint_every, max_bad_steps, allow_no_op, log_with) may change on a
+    resume."""
     state = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
     return layout.stage_identity("train", to_dict(cfg), inputs={
         "rollout_id": rollout.get("rollout_id"),
         "advantages_sha256": layout.digests(adv_files),
         "init_lora_sha256": layout.tree_digest(policy_adapter(cfg.init_lora)) if cfg.init_lora else None,
         "init_state_sha256": layout.tree_digest(state) if state and state.is_dir() else None},
-        leave_out=("rollout", "advantages", "init_lora", "checkpoint_every", "max_bad_steps", "allow_no_op"))
+        leave_out=("rollout", "advantages", "init_lora", "checkpoint_every", "max_bad_steps", "allow_no_op",
+                   "log_with"))
 
 
 def check_advantages_belong(rollout: dict, rollout_dir: Path, advantages: Path, adv_files: list[Path]) -> dict:
@@ -228,6 +230,7 @@ def run(cfg: TrainConfig) -> dict:
     rollout = layout.read_manifest(Path(cfg.rollout), "rollout")
     adv_files = layout.parquet_files(Path(cfg.advantages), "advantages")
     check_init_lora(cfg)
+    tracking.check_kind(cfg.log_with)
     # Inputs checked before --overwrite clears anything: the advantages belong to this rollout, finite.
     adv_meta = check_advantages_belong(rollout, Path(cfg.rollout), Path(cfg.advantages), adv_files)
     adv = read_advantages(Path(cfg.advantages))
@@ -299,7 +302,8 @@ def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict
     if accelerator.num_processes > 1 and computed and min(len(s) for s in computed) < accelerator.num_processes:
         raise TrainError(f"{min(len(s) for s in computed)} micro-batches in an optimizer step for "
                          f"{accelerator.num_processes} processes", "use fewer --optimizer-steps or a larger rollout")
-    with track(sum(len(s) for s in computed), "train micro-batches") as advance:
+    tracker = tracking.open_tracker(cfg.log_with, out, out.name, to_dict(cfg))
+    with track(sum(len(s) for s in computed), "train micro-batches") as advance, tracking.closing(tracker):
         advance(sum(len(s) for s in computed[:steps_done]))
         for step_index, step_batches in enumerate(steps):
             if step_index < steps_done:
@@ -332,6 +336,8 @@ def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict
                 optimizer.zero_grad(set_to_none=True)
             global_step += 1
             metrics.append(_metrics_line(global_step, sums, n_samples, grad_norm, cfg, finite, time.perf_counter() - t0))
+            if tracker:
+                tracker.scalars(tracking.train_scalars(metrics[-1]), global_step)
             if bad_in_row >= cfg.max_bad_steps:
                 raise TrainError(f"{bad_in_row} optimizer steps in a row had a non-finite loss or gradient",
                                  "lower --learning-rate, check the rewards/advantages, or raise --max-bad-steps")
