@@ -211,27 +211,8 @@ class AestheticHead(nn.Module):
 
 def _head_file(spec: str) -> Path:
     """A local .pth/.safetensors path, or 'repo_id:filename' from the hub (cache first, fail fast offline)."""
-    fix = "--reward-opt aesthetic.head=PATH (the .pth file, or repo_id:filename on the hub)"
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return path
-    repo, sep, filename = spec.partition(":")
-    if not sep or not filename or "/" not in repo or path.exists():
-        raise ModelError(f"aesthetic head {spec!r}: not a file, and not repo_id:filename", fix)
-    from huggingface_hub import hf_hub_download
-
-    download = (f"download it with `hf download {repo} {filename}` and rerun, or get {filename} from "
-                f"github.com/christophschuhmann/improved-aesthetic-predictor and pass {fix}")
-    try:
-        return Path(hf_hub_download(repo, filename, local_files_only=True))
-    except Exception:  # not cached (LocalEntryNotFoundError and friends)
-        pass
-    if not hub.hub_reachable():
-        raise ModelError(f"aesthetic head {spec!r} is not downloaded and the hub cannot be reached", download)
-    try:
-        return Path(hf_hub_download(repo, filename))
-    except Exception as e:
-        raise ModelError(f"cannot download aesthetic head {spec!r}: {hub._first_line(e)}", download) from None
+    return hub.file(spec, "aesthetic head", "--reward-opt aesthetic.head=PATH (the .pth file, or repo_id:filename on the hub)",
+                    " (or get it from github.com/christophschuhmann/improved-aesthetic-predictor)")
 
 
 def load_aesthetic_head(path: Path, input_size: int) -> AestheticHead:

@@ -66,6 +66,7 @@ NEEDS = {
     "processor": (_IMAGE_PROC, _TOKENIZER),  # CLIPProcessor files only
     "clip": (_CONFIG, _WEIGHTS, _IMAGE_PROC, _TOKENIZER),  # model + its own processor
     "detector": (_CONFIG, _WEIGHTS, _IMAGE_PROC),  # Mask2Former/DETR + image processor
+    "bert-tokenizer": (("vocab.txt",),),  # BertTokenizer (ImageReward)
 }
 
 # What CLIPProcessor.from_pretrained reads: `hf download REPO FILE...` fetches only these (a repo
@@ -613,6 +614,11 @@ def reward_models(name: str, options: dict) -> list[tuple[str, str, str, str]]:
 
         return [("model", str(options.get("model", CLIP_L14)), "clip", "model"),
                 ("head", str(options.get("head", AESTHETIC_HEAD)), "file", "head")]
+    if name == "imagereward":
+        from tpkit.image_reward import CHECKPOINT, TOKENIZER
+
+        return [("checkpoint", str(options.get("checkpoint", CHECKPOINT)), "file", "checkpoint"),
+                ("tokenizer", str(options.get("tokenizer", TOKENIZER)), "bert-tokenizer", "tokenizer")]
     if name in ("geneval", "geneval-strict"):
         from tpkit.geneval import DEFAULT_CLIP, DEFAULT_DETECTOR
 
@@ -708,7 +714,8 @@ def _check_rewards(ctx: _Context, wanted: list[tuple[str, dict, str]], mins: dic
     seen_names: set[str] = set()
     models: dict[str, dict] = {}  # id -> {"needs": [...], "users": [...], "option": str, "processor_only": bool}
     for name, options, source in wanted:
-        if name in seen_names and name not in ("pickscore", "clipscore", "aesthetic", "geneval", "geneval-strict"):
+        if name in seen_names and name not in ("pickscore", "clipscore", "aesthetic", "imagereward", "geneval",
+                                                "geneval-strict"):
             continue
         first_time = name not in seen_names
         seen_names.add(name)

@@ -59,3 +59,29 @@ def load(loader: Callable[..., Any], id_or_path: str, what: str, fix: str, **kwa
         return loader(id_or_path, **kwargs)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load {what} {id_or_path!r}: {_first_line(e)}", download) from None
+
+
+def file(spec: str, what: str, fix: str, source: str = "") -> Path:
+    """A local file, or 'repo_id:filename' from the hub (cache first, failing fast offline).
+
+    what: e.g. "aesthetic head"; fix: how to point tpkit at a local copy; source: where else the
+    file can be had (appended to the download hint)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    repo, sep, filename = spec.partition(":")
+    if not sep or not filename or "/" not in repo or path.exists():
+        raise ModelError(f"{what} {spec!r}: not a file, and not repo_id:filename", fix)
+    from huggingface_hub import hf_hub_download
+
+    download = f"download it with `hf download {repo} {filename}` and rerun{source}, or {fix}"
+    try:
+        return Path(hf_hub_download(repo, filename, local_files_only=True))
+    except Exception:  # not cached (LocalEntryNotFoundError and friends)
+        pass
+    if not hub_reachable():
+        raise ModelError(f"{what} {spec!r} is not downloaded and the hub cannot be reached", download)
+    try:
+        return Path(hf_hub_download(repo, filename))
+    except Exception as e:
+        raise ModelError(f"cannot download {what} {spec!r}: {_first_line(e)}", download) from None

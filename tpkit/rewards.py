@@ -75,6 +75,9 @@ BUILTIN: dict[str, tuple[Callable[[dict], RewardFn], str]] = {
     "aesthetic": (_lazy("clip_rewards", "aesthetic"),
                   "LAION aesthetic predictor v2: CLIP ViT-L/14 + its MLP head weights "
                   "(options: model, head = file path or repo_id:filename, batch_size, dtype)"),
+    "imagereward": (_lazy("image_reward", "imagereward"),
+                    "ImageReward-v1.0: THUDM/ImageReward:ImageReward.pt + tokenizer bert-base-uncased, on transformers' "
+                    "BLIP modules (options: checkpoint = file path or repo_id:filename, tokenizer, batch_size, dtype)"),
     "ocr": (_lazy("ocr", "ocr"),
             "nothing to download: rapidocr + onnxruntime (PP-OCR weights ship in the wheel), rapidfuzz"),
     "geneval": (_lazy("geneval", "geneval_reward"),
