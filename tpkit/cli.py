@@ -270,6 +270,41 @@ def eval_geneval(
           resolution, seed, batch_size, max_sequence_length, device, dtype, rank, world_size)
 
 
+@eval_app.command("compare")
+def eval_compare(
+    entry: List[str] = typer.Option(..., help="NAME=MODEL or NAME=MODEL+LORA_FOLDER, repeatable: one column each, "
+                                             "the first is the base the others are compared with."),
+    out: Path = typer.Option(..., "--out", help="Output folder: entries/, compare.md|csv|json, grid.png."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Test prompts: .txt or .jsonl (GenEval metadata "
+                                                                   "for --geneval; default there: GenEval's 553)."),
+    reward: List[str] = typer.Option([], help="NAME (repeatable): a reward as a metric, e.g. pickscore, imagereward."),
+    reward_opt: List[str] = typer.Option([], help="NAME.OPTION=VALUE (repeatable)."),
+    geneval: bool = typer.Option(False, help="Also GenEval's accuracy (overall and per task) on the same images."),
+    detector: Optional[str] = typer.Option(None, help="GenEval detector id or folder (shapes: the tiny-shapes one)."),
+    images_per_prompt: int = typer.Option(4), steps: int = typer.Option(40, help="ODE steps."),
+    guidance: Optional[float] = _GUIDANCE, resolution: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
+    batch_size: int = typer.Option(8), max_sequence_length: Optional[int] = _TEXT_LENGTH, device: str = _DEVICE,
+    dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
+) -> None:
+    """Models/adapters x metrics on the same prompts and seeds: one table (mean ± s.e. over prompts, paired
+    differences from the first entry) in Markdown, CSV and JSON, and a grid of each prompt across entries."""
+    from tpkit import compare
+    from tpkit.config import CompareConfig, EvalConfig, parse_reward_options, parse_reward_specs
+
+    protocol = EvalConfig(
+        prompts=str(prompts) if prompts else "", rewards={r: 1.0 for r in parse_reward_specs(reward)} if reward else {},
+        reward_options=parse_reward_options(reward_opt), images_per_prompt=images_per_prompt, steps=steps, guidance=guidance, resolution=resolution,
+        seed=seed, batch_size=batch_size, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
+        rank=rank, world_size=world_size)
+    manifest = compare.run(CompareConfig(entries=list(entry), protocol=protocol, out=str(out), geneval=geneval,
+                                         geneval_options={"detector": detector} if detector else {}))
+    if manifest:
+        from tpkit.ui import console
+
+        console.print((out / "compare.md").read_text())
+        _done(out)
+
+
 prompts_app = typer.Typer(help="List the prompt sets tpkit ships; write the generated ones.", no_args_is_help=True)
 app.add_typer(prompts_app, name="prompts")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -254,6 +255,43 @@ class EvalConfig:
         if self.lora:
             self.lora = str(Path(self.lora).expanduser().resolve())
         self.rank, self.world_size = resolve_rank(self.rank, self.world_size)
+        return self
+
+
+@dataclass
+class CompareConfig:
+    """`tpkit eval compare`: every entry evaluated with one protocol (same prompts, seeds, sampler)."""
+    entries: list[str] = field(default_factory=list)  # NAME=MODEL or NAME=MODEL+LORA_FOLDER, in table order
+    protocol: EvalConfig = field(default_factory=EvalConfig)  # prompts, rewards, sampler; model/lora/out per entry
+    out: str = ""
+    geneval: bool = False  # also GenEval's verdict on the same images (prompts must be GenEval metadata)
+    geneval_options: dict[str, Any] = field(default_factory=dict)  # detector, clip
+
+    def parsed(self) -> list[tuple[str, str, str | None]]:
+        """(name, model, lora or None) per entry."""
+        out = []
+        for e in self.entries:
+            name, eq, rest = e.partition("=")
+            model, plus, lora = rest.partition("+")
+            if not eq or not re.fullmatch(r"[A-Za-z0-9][\w.-]*", name) or not model or (plus and not lora):
+                raise ConfigError(f"--entry {e!r} is not NAME=MODEL or NAME=MODEL+LORA",
+                                  "e.g. --entry base=tiny-sd3 --entry round4=tiny-sd3+runs/demo/round-0003/train/adapter "
+                                  "(NAME: letters, digits, . _ -)")
+            out.append((name, model, lora or None))
+        return out
+
+    def validate(self) -> "CompareConfig":
+        entries = self.parsed()
+        names = [n for n, _, _ in entries]
+        if len(entries) < 1 or len(set(names)) != len(names):
+            raise ConfigError(f"entries {names}: need at least one, each with its own name",
+                              "pass --entry NAME=MODEL[+LORA] once per column, names unique")
+        if not self.protocol.rewards and not self.geneval:
+            raise ConfigError("nothing to measure", "pass --reward NAME (repeatable) and/or --geneval")
+        if not self.protocol.prompts and not self.geneval:
+            raise ConfigError("no prompts given", "pass --prompts FILE (.txt or .jsonl)")
+        if not self.out:
+            raise ConfigError("no output folder", "pass --out DIR")
         return self
 
 
