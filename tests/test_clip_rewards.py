@@ -259,3 +259,17 @@ def test_tpkit_score_end_to_end(tiny_run, tiny_clip, tmp_path):
         assert r["reward_pickscore"] == pytest.approx(expected[r["trajectory_id"]], abs=1e-4)
         assert r["reward_jpeg_compressibility"] < 0
         assert r["reward"] == pytest.approx(r["reward_pickscore"] + 0.5 * r["reward_jpeg_compressibility"], rel=1e-9)
+
+
+def test_a_model_whose_tokenizer_has_no_vocabulary_is_refused(tmp_path):
+    """transformers 5 builds an empty tokenizer, without an error, from a folder that lacks its vocabulary
+    files; every prompt would encode to unknown tokens and rewards would be silently wrong."""
+    from transformers import CLIPTokenizer
+
+    from tpkit import hub
+    from tpkit.errors import ModelError
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"tokenizer_class": "CLIPTokenizer"}')
+    with pytest.raises(ModelError, match="has no vocabulary"):
+        hub.load(CLIPTokenizer.from_pretrained, str(tmp_path / "tok"), "CLIP tokenizer", "--reward-opt x.model=PATH")

@@ -223,3 +223,11 @@ def test_a_tokenizer_that_does_not_fit_the_checkpoint_is_refused(tokenizer):
     sd = random_checkpoint(len(tokenizer) + 1)
     with pytest.raises(ModelError, match="tokenizer has"):
         ir.ImageReward(sd, tokenizer, vision_heads=V_HEADS, text_heads=T_HEADS)
+
+
+def test_a_tokenizer_without_vocabulary_is_refused(tmp_path):
+    # transformers 5 builds an empty BertTokenizer from a folder without vocab.txt instead of failing
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"tokenizer_class": "BertTokenizer"}')
+    with pytest.raises(ModelError, match="has no vocabulary"):
+        ir.load_tokenizer(str(tmp_path / "tok"))

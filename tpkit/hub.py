@@ -35,28 +35,50 @@ def _first_line(e: Exception) -> str:
     return (text.splitlines()[0] if text else type(e).__name__)[:200]
 
 
+def empty_tokenizers(obj: Any) -> list[str]:
+    """The tokenizers of obj (itself, a processor's or a pipeline's) that hold no vocabulary: transformers 5
+    builds such a tokenizer, without an error, when its vocabulary files are missing, and every prompt
+    then encodes to unknown tokens."""
+    empty = []
+    for name in ("", "tokenizer", "tokenizer_2", "tokenizer_3"):
+        tok = getattr(obj, name, None) if name else obj
+        if tok is not None and hasattr(tok, "vocab_size") and hasattr(tok, "all_special_tokens"):
+            if tok.vocab_size <= len(set(tok.all_special_tokens)):
+                empty.append(name or type(tok).__name__)
+    return empty
+
+
 def load(loader: Callable[..., Any], id_or_path: str, what: str, fix: str, **kwargs) -> Any:
     """loader(id_or_path, **kwargs), e.g. CLIPModel.from_pretrained, with a clear error.
 
     what: e.g. "PickScore model"; fix: how to point tpkit at a local copy, e.g.
-    "--reward-opt pickscore.model=PATH".
+    "--reward-opt pickscore.model=PATH". A result whose tokenizer came out empty is refused.
     """
     download = f"download it with `hf download {id_or_path}` (or copy the folder here) and rerun, or {fix}"
+
+    def checked(obj, hint: str = download):
+        if empty := empty_tokenizers(obj):
+            raise ModelError(f"{what} {id_or_path!r}: {', '.join(empty)} has no vocabulary (its vocabulary files are "
+                             "missing)", hint)
+        return obj
+
     if Path(id_or_path).exists():
         try:
-            return loader(id_or_path, **kwargs)
+            return checked(loader(id_or_path, **kwargs), f"copy the complete folder there, or {fix}")
         except (OSError, ValueError) as e:
             raise ModelError(f"cannot load {what} from {id_or_path}: {_first_line(e)}", fix) from None
     try:
-        return loader(id_or_path, local_files_only=True, **kwargs)  # already in the HF cache
+        found = loader(id_or_path, local_files_only=True, **kwargs)  # already in the HF cache
     except (OSError, ValueError):
-        pass
+        found = None
+    if found is not None and not empty_tokenizers(found):
+        return found
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", id_or_path):
         raise ModelError(f"{what} {id_or_path!r}: no such folder, and not a hub id (org/name)", fix)
     if not hub_reachable():
         raise ModelError(f"{what} {id_or_path!r} is not downloaded and the hub cannot be reached", download)
     try:
-        return loader(id_or_path, **kwargs)
+        return checked(loader(id_or_path, **kwargs))
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load {what} {id_or_path!r}: {_first_line(e)}", download) from None
 

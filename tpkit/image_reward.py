@@ -156,18 +156,8 @@ def load_tokenizer(id_or_path: str):
     """bert-base-uncased with BLIP's added tokens ([DEC] as bos, [ENC]), as ImageReward's `init_tokenizer`."""
     from transformers import BertTokenizer
 
-    fix = "--reward-opt imagereward.tokenizer=PATH (a bert-base-uncased tokenizer folder)"
-    tok = hub.load(BertTokenizer.from_pretrained, id_or_path, "ImageReward tokenizer (bert-base-uncased)", fix)
-    # transformers 5 builds an empty tokenizer instead of failing when vocab.txt is not in the cache,
-    # so hub.load's cache-first try "succeeds": download explicitly when the hub can be reached.
-    if tok.vocab_size <= len(tok.all_special_tokens) and not Path(id_or_path).exists() and hub.hub_reachable():
-        try:
-            tok = BertTokenizer.from_pretrained(id_or_path)
-        except (OSError, ValueError) as e:
-            raise ModelError(f"cannot download ImageReward tokenizer {id_or_path!r}: {str(e)[:200]}", fix) from None
-    if tok.vocab_size <= len(tok.all_special_tokens):
-        raise ModelError(f"ImageReward tokenizer {id_or_path!r} has no vocabulary (vocab.txt not found)",
-                         f"download it with `hf download {id_or_path} vocab.txt tokenizer_config.json` and rerun, or {fix}")
+    tok = hub.load(BertTokenizer.from_pretrained, id_or_path, "ImageReward tokenizer (bert-base-uncased)",
+                   "--reward-opt imagereward.tokenizer=PATH (a bert-base-uncased tokenizer folder)")
     tok.add_special_tokens({"bos_token": "[DEC]"})
     tok.add_special_tokens({"additional_special_tokens": ["[ENC]"]})
     return tok
