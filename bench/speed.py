@@ -348,10 +348,10 @@ def memory_child(spec_file: str) -> None:
     import transformers  # noqa: F401
     from transformers import CLIPTextModelWithProjection, T5EncoderModel  # noqa: F401
 
-    from tpkit import score, sd3, train
+    from tpkit import runtime, score, sd3, train
     from tpkit.config import ScoreConfig, TrainConfig
 
-    sd3._quiet_libraries()
+    runtime.quiet_libraries()
     from diffusers import StableDiffusion3Pipeline  # noqa: F401
 
     from tpkit import ui
@@ -443,13 +443,13 @@ def full_size_gpu(device: str = "cuda", transformer_cfg: dict | None = None, vae
     import torch
     from diffusers import AutoencoderKL, SD3Transformer2DModel
 
-    from tpkit import sd3
+    from tpkit import runtime, sd3
     from tpkit.config import LORA_TARGETS
 
-    sd3._quiet_libraries()
+    runtime.quiet_libraries()
     tcfg, vcfg = transformer_cfg or SD35M_TRANSFORMER, vae_cfg or SD35M_VAE
     dev = torch.device(device)
-    dtype = sd3.pick_dtype("auto", dev)
+    dtype = runtime.pick_dtype("auto", dev)
     cuda = dev.type == "cuda"
 
     def sync():
@@ -621,7 +621,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from tpkit import advantages, formulas, rollout, run, score, sd3, ui
+    from tpkit import advantages, formulas, rollout, run, runtime, score, sd3, ui
     from tpkit.config import ScoreConfig, load_recipe
     from tpkit.rewards import load_rewards
 
@@ -889,7 +889,7 @@ def main() -> None:
 
     # ---------------------------------------------------------------- (g) CPU allocator, subprocess per variant
     alloc = []
-    if not torch.cuda.is_available() and sd3.tune_cpu_allocator():
+    if not torch.cuda.is_available() and runtime.tune_cpu_allocator():
         for rep in range(args.repeats):
             for stage, cfg in (("score", score_cfg), ("train", train_cfg)):
                 for tuned in ((True, False) if rep % 2 == 0 else (False, True)):

@@ -252,15 +252,15 @@ def test_cpu_threads_are_shared_among_local_processes(monkeypatch):
     """Each process takes its share of the cores: two side by side on 2 cores run 1 thread each."""
     import torch
 
-    from tpkit import sd3
+    from tpkit import runtime
 
     before = torch.get_num_threads()
     try:
         cores = len(os.sched_getaffinity(0))
         monkeypatch.delenv("TPKIT_THREADS", raising=False)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-        assert sd3.set_cpu_threads() == max(cores // 2, 1) == torch.get_num_threads()
+        assert runtime.set_cpu_threads() == max(cores // 2, 1) == torch.get_num_threads()
         monkeypatch.setenv("TPKIT_THREADS", "1")
-        assert sd3.set_cpu_threads() == 1 == torch.get_num_threads()
+        assert runtime.set_cpu_threads() == 1 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)

@@ -226,7 +226,7 @@ def test_initial_noise_is_reproducible_from_the_stored_seed(trajectories):
 
 def test_branch_0_is_the_ode_sample_from_the_same_noise(trajectories, run_scores, shards):
     """R_0 = R(decode(ODE(x_T-noise))) from torch.randn(seed), not from fresh noise."""
-    from tpkit import sd3
+    from tpkit import runtime, sd3
 
     _, prompts, trajs = shards[0]
     t = trajs[1]
@@ -238,7 +238,7 @@ def test_branch_0_is_the_ode_sample_from_the_same_noise(trajectories, run_scores
         for j in range(T):
             v = model.velocity(x, torch.tensor([s[j]]), prompts[m["prompt_id"]].embeds, m["guidance"])
             x = formulas.ode_step(x, v, s[j], s[j + 1])
-    png = sd3.png_bytes(model.decode(x)[0])
+    png = runtime.png_bytes(model.decode(x)[0])
     r0 = next(r for r in run_scores if r["trajectory_id"] == t.trajectory_id and r["branch"] == 0)
     # Same noise, same ODE: the same image up to batch-size rounding in the transformer.
     assert r0["reward"] == pytest.approx(jpeg_reward(png), abs=0.01)
@@ -434,6 +434,6 @@ def test_cpu_allocator_tuning_is_applied_unless_the_user_chose(env, expected):
         pytest.skip("the tuning applies to glibc only")
     base = {k: v for k, v in os.environ.items()
             if k not in ("TPKIT_CPU_MALLOC", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD")}
-    out = subprocess.run([sys.executable, "-c", "from tpkit import sd3; print(sd3.tune_cpu_allocator(), sd3.tune_cpu_allocator())"],
+    out = subprocess.run([sys.executable, "-c", "from tpkit import runtime; print(runtime.tune_cpu_allocator(), runtime.tune_cpu_allocator())"],
                          env={**base, **env}, capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(expected)] * 2

@@ -445,9 +445,9 @@ def _check_sd3_imports(ctx: _Context) -> None:
         ctx.add("SD3 pipeline", False, "skipped: torch does not import", "fix torch first")
         return
     try:
-        from tpkit.sd3 import _quiet_libraries
+        from tpkit.runtime import quiet_libraries
 
-        _quiet_libraries()  # as every stage does: no info notices from the libraries
+        quiet_libraries()  # as every stage does: no info notices from the libraries
         from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline  # noqa: F401
         from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel  # noqa: F401
     except Exception as e:
@@ -553,9 +553,9 @@ def _check_model(ctx: _Context, model: str, where: str) -> None:
     alternative = f"a local folder ({where})"
     if model == TINY_MODEL:
         try:
-            from tpkit import sd3
+            from tpkit import runtime, sd3
 
-            home = sd3.tpkit_home()
+            home = runtime.tpkit_home()
             path = home / "models" / f"{TINY_MODEL}-v{sd3._TINY_VERSION}"
         except Exception as e:
             ctx.add("model", False, f"tiny-sd3: cannot import tpkit.sd3: {_first_line(e)}", "fix torch/diffusers first")
@@ -798,7 +798,7 @@ def _check_hub(ctx: _Context) -> None:
 
 def _check_homes(ctx: _Context, need_downloads: bool) -> None:
     try:
-        from tpkit.sd3 import tpkit_home
+        from tpkit.runtime import tpkit_home
 
         home = tpkit_home()
     except Exception:

@@ -56,7 +56,7 @@ def generate(model, prompts: list[layout.Prompt], indices: list[int], cfg: EvalC
 
     from tpkit import formulas
     from tpkit.rollout import derive_seed
-    from tpkit.sd3 import png_bytes
+    from tpkit.runtime import png_bytes
 
     sigmas = model.sigmas(cfg.steps)
     shape = model.latent_shape(cfg.resolution)
@@ -153,7 +153,7 @@ def identity(cfg: EvalConfig) -> dict:
 
 
 def _run(cfg: EvalConfig, ident: dict, prompts: list[layout.Prompt], folders: list[Path], scorer: Callable) -> dict | None:
-    from tpkit import sd3
+    from tpkit import runtime, sd3
     from tpkit.ui import track
 
     out = Path(cfg.out)
@@ -165,7 +165,7 @@ def _run(cfg: EvalConfig, ident: dict, prompts: list[layout.Prompt], folders: li
     batches = [c for n, c in enumerate(prompt_batches(len(prompts), cfg)) if n % cfg.world_size == cfg.rank
                and any(unfinished(i) for i in c)]
     mine = [i for c in batches for i in c if unfinished(i)]
-    phases = Phases(sd3.pick_device(cfg.device), layout.read_seconds(out, cfg.rank))  # + an interrupted run's
+    phases = Phases(runtime.pick_device(cfg.device), layout.read_seconds(out, cfg.rank))  # + an interrupted run's
 
     # 3. Generate the missing images (unless scoring an existing folder).
     if mine and not cfg.images:

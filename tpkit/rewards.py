@@ -100,7 +100,7 @@ def take_options(reward: str, options: dict, defaults: dict) -> dict:
 
 def reward_device():
     """Where reward models run: this process's GPU if there is one, else the CPU."""
-    from tpkit.sd3 import pick_device
+    from tpkit.runtime import pick_device
 
     return pick_device("auto")
 

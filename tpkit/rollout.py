@@ -19,7 +19,7 @@ import torch
 from tpkit import formulas, layout
 from tpkit.config import RolloutConfig, to_dict
 from tpkit.layout import EMBED_KEYS, Prompt, PromptRecord, ShardWriter, TrajectoryRecord
-from tpkit.sd3 import png_bytes
+from tpkit.runtime import png_bytes
 from tpkit.timing import Phases
 
 

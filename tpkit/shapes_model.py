@@ -162,9 +162,9 @@ def word_tokenizer(words: list[str], max_length: int = CLIP_LENGTH):
 
 def build_pipeline(arch: Arch | None = None, seed: int = SEED, words: list[str] | None = None):
     """A randomly initialised tiny-shapes `StableDiffusion3Pipeline` (deterministic from `seed`)."""
-    from tpkit.sd3 import _quiet_libraries
+    from tpkit.runtime import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 

@@ -243,13 +243,13 @@ def run(cfg: TrainConfig) -> dict:
 def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict) -> dict:
     from accelerate import Accelerator
 
-    from tpkit import sd3
+    from tpkit import runtime, sd3
     from tpkit.ui import track
 
     # 1. Check inputs: the rollout, its advantages, and the state to continue from.
     # cpu=True also when no GPU exists: only then does accelerate set up gloo DDP under torchrun.
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    phases = Phases("cpu" if on_cpu else sd3.pick_device(cfg.device))
+    phases = Phases("cpu" if on_cpu else runtime.pick_device(cfg.device))
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
     with phases("read"):
         zero = zero_advantage_trajectories(adv) if cfg.drop_zero_advantage else set()
