@@ -5,6 +5,7 @@ trackers that are unknown or not installed are refused up front."""
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import tomli_w
 
 from tests.conftest import cli
 from tpkit import layout, tracking
+from tpkit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "pipelines" / "tiny-cpu.toml"
@@ -134,7 +136,8 @@ def test_a_failing_tracker_is_switched_off_and_the_run_goes_on(tmp_path, capsys)
 
 def test_wandb_runs_offline_without_network_and_continues_its_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "")  # restored (unset) after the test: the tracker sets it
+    monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setattr(tracking, "_reachable", lambda *a, **k: False)
     t = tracking.Tracker("wandb", tmp_path, "x", {"train.learning_rate": 1e-3})
@@ -157,3 +160,30 @@ def test_tile_places_images_row_by_row():
     assert grid.shape == (6, 6, 3)
     assert grid[0, 0, 0] == 0 and grid[0, 3, 0] == 1 and grid[2, 0, 0] == 2 and grid[4, 0, 0] == 4
     assert (grid[4:, 3:] == 255).all()  # the empty cell stays white
+
+
+def test_wandb_that_cannot_start_online_falls_back_to_offline(tmp_path, monkeypatch, capsys):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "")  # restored (unset) after the test: the tracker sets it
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr(tracking, "_reachable", lambda *a, **k: True)  # "online", but init fails (no login)
+    real = wandb.init
+
+    def init(*args, **kwargs):
+        if os.environ.get("WANDB_MODE") != "offline":
+            raise wandb.errors.UsageError("api_key not configured (no-tty)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wandb, "init", init)
+    t = tracking.Tracker("wandb", tmp_path, "x", {})
+    t.scalars({"a": 1.0}, 1)
+    t.close()
+    assert "logging offline" in capsys.readouterr().err
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_a_tracker_that_cannot_start_is_a_clear_error(tmp_path):
+    (tmp_path / "tensorboard").write_text("a file where the event folder goes")
+    with pytest.raises(ConfigError, match="tensorboard tracking could not start"):
+        tracking.Tracker("tensorboard", tmp_path, "x", {})

@@ -76,7 +76,7 @@ BUILTIN: dict[str, tuple[Callable[[dict], RewardFn], str]] = {
                   "LAION aesthetic predictor v2: CLIP ViT-L/14 + its MLP head weights "
                   "(options: model, head = file path or repo_id:filename, batch_size, dtype)"),
     "imagereward": (_lazy("image_reward", "imagereward"),
-                    "ImageReward-v1.0: THUDM/ImageReward:ImageReward.pt + tokenizer bert-base-uncased, on transformers' "
+                    "ImageReward-v1.0: THUDM/ImageReward:ImageReward.pt + tokenizer google-bert/bert-base-uncased, on transformers' "
                     "BLIP modules (options: checkpoint = file path or repo_id:filename, tokenizer, batch_size, dtype)"),
     "ocr": (_lazy("ocr", "ocr"),
             "nothing to download: rapidocr + onnxruntime (PP-OCR weights ship in the wheel), rapidfuzz"),

@@ -75,14 +75,26 @@ class Tracker:
 
         self.kind, self.folder, self._console = kind, Path(folder), console
         self.folder.mkdir(parents=True, exist_ok=True)
-        if kind == "tensorboard":
+        try:
+            self._start(name)
+        except Exception as e:
+            if kind != "wandb" or os.environ.get("WANDB_MODE") == "offline":
+                raise ConfigError(f"{kind} tracking could not start: {type(e).__name__}: {str(e)[:200]}",
+                                  "fix the cause, or run with --log-with none") from None
+            # Online W&B that cannot start (no login, a proxy, a server error): log offline instead.
+            console.print(f"[yellow]W&B could not start online ({type(e).__name__}: {str(e)[:120]}); logging offline[/]")
+            os.environ["WANDB_MODE"] = "offline"
+            self._start(name)
+        self._guard("store the configuration", "store_init_configuration", flat(config))
+
+    def _start(self, name: str) -> None:
+        if self.kind == "tensorboard":
             from accelerate.tracking import TensorBoardTracker
 
             self._tracker = TensorBoardTracker(TENSORBOARD_DIR, self.folder)
         else:
             self._tracker = self._wandb(name)
         self._tracker.start()
-        self._guard("store the configuration", "store_init_configuration", flat(config))
 
     def _wandb(self, name: str):
         import wandb
