@@ -375,7 +375,7 @@ def test_run_under_accelerate_launch(work):
     (d / "prompts.txt").write_text("\n".join(PROMPTS[:2]) + "\n")
     (d / "recipe.toml").write_text(RECIPE)
     out = d / "out"
-    run_all(accelerate_launch("run", d / "recipe.toml", "--out", out), cwd=d)
+    run_all(accelerate_launch("run", d / "recipe.toml", "--out", out, "--log-with", "tensorboard"), cwd=d)
     lines = (out / layout.ROUNDS_FILE).read_text().splitlines()
     assert len(lines) == 1
     line = json.loads(lines[0])
@@ -388,3 +388,10 @@ def test_run_under_accelerate_launch(work):
     assert manifest(rollout)["counts"]["trajectories"] == 2 * GROUP
     assert manifest(train)["counts"]["processes"] == 2
     assert all(m["finite"] for m in metrics(train))
+    # Tracking under two processes: the main one alone writes events, holding this round's reward.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("reward/mean")] == pytest.approx([line["reward_mean"]])
+    assert len(acc.Scalars("train/loss")) == 2

@@ -264,7 +264,7 @@ def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
     if rank == 0:
         claim_run_folder(run_dir, recipe, overwrite, world)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tracker = tracking.open_tracker(recipe.log_with, run_dir, recipe.name, recipe.to_dict())
+    tracker = tracking.open_tracker(recipe.log_with, run_dir, recipe.name, recipe.to_dict(), recipe.train.device)
     with tracking.closing(tracker):
         # 2. With a held-out evaluation: the starting model's, the point the rounds' are measured from.
         if recipe.eval_every:

@@ -93,6 +93,12 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+def accelerate_on_cpu(device: str) -> bool:
+    """Whether accelerate runs on the CPU for this --device: cpu=True also when no GPU exists, since
+    only then does accelerate set up gloo DDP under torchrun (train and the tracker must agree)."""
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32

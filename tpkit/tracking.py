@@ -139,15 +139,20 @@ class Tracker:
         self._tracker = None
 
 
-def open_tracker(kind: str, folder: Path, name: str, config: dict) -> Tracker | None:
+def open_tracker(kind: str, folder: Path, name: str, config: dict, device: str = "auto") -> Tracker | None:
     """A tracker on the main process for `kind`, or None (kind "none", or another process).
-    Every process calls this: accelerate's trackers need its state, set up by all processes together."""
+
+    Every process calls this: accelerate's trackers need its state, which all processes set up
+    together, on the device train will use (`device`: train's --device), or train's Accelerator
+    would inherit a state without its process group."""
     check_kind(kind)
     if kind == "none":
         return None
     from accelerate import PartialState
 
-    return Tracker(kind, folder, name, config) if PartialState().is_main_process else None
+    from tpkit.runtime import accelerate_on_cpu
+
+    return Tracker(kind, folder, name, config) if PartialState(cpu=accelerate_on_cpu(device)).is_main_process else None
 
 
 def tile(images: list[np.ndarray], columns: int) -> np.ndarray:

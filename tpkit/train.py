@@ -247,8 +247,7 @@ def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict
     from tpkit.ui import track
 
     # 1. Check inputs: the rollout, its advantages, and the state to continue from.
-    # cpu=True also when no GPU exists: only then does accelerate set up gloo DDP under torchrun.
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    on_cpu = runtime.accelerate_on_cpu(cfg.device)
     phases = Phases("cpu" if on_cpu else runtime.pick_device(cfg.device))
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
     with phases("read"):
@@ -302,7 +301,7 @@ def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict
     if accelerator.num_processes > 1 and computed and min(len(s) for s in computed) < accelerator.num_processes:
         raise TrainError(f"{min(len(s) for s in computed)} micro-batches in an optimizer step for "
                          f"{accelerator.num_processes} processes", "use fewer --optimizer-steps or a larger rollout")
-    tracker = tracking.open_tracker(cfg.log_with, out, out.name, to_dict(cfg))
+    tracker = tracking.open_tracker(cfg.log_with, out, out.name, to_dict(cfg), cfg.device)
     with track(sum(len(s) for s in computed), "train micro-batches") as advance, tracking.closing(tracker):
         advance(sum(len(s) for s in computed[:steps_done]))
         for step_index, step_batches in enumerate(steps):
