@@ -93,7 +93,8 @@ class BranchScorer:
         if self.pool:
             return self.pool.submit(work)
         done: Future = Future()  # inline: the transformer waits while the reward runs
-        done.set_result(work())
+        with self.phases("reward"):
+            done.set_result(work())
         return done
 
     def score_shard(self, prompts: dict[str, PromptRecord], trajs: list[TrajectoryRecord], branches: str,
