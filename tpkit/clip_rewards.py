@@ -217,17 +217,7 @@ def _head_file(spec: str) -> Path:
 
 def load_aesthetic_head(path: Path, input_size: int) -> AestheticHead:
     fix = "--reward-opt aesthetic.head=PATH to the improved-aesthetic-predictor weights (sac+logos+ava1-l14-linearMSE.pth)"
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state = load_file(str(path))
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)  # never unpickle code
-    except Exception as e:
-        raise ModelError(f"cannot read aesthetic head {path}: {type(e).__name__}: {str(e)[:200]}", fix) from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
+    state = hub.state_dict(path, "aesthetic head", fix)
     first = state.get("layers.0.weight") if isinstance(state, dict) else None
     if not isinstance(first, torch.Tensor) or first.ndim != 2:
         raise ModelError(f"aesthetic head {path} is not an improved-aesthetic-predictor state dict "

@@ -22,7 +22,7 @@ METHODS = ("tp-grpo", "flow-grpo")
 BRANCHES = ("all", "final")
 BALANCE = ("all", "none")
 STD_MODES = ("group", "global")
-TRACKERS = ("none", "tensorboard", "wandb")  # --log-with (tpkit.track)
+TRACKERS = ("none", "tensorboard", "wandb")  # --log-with (tpkit.tracking)
 PRECISIONS = ("no", "fp16", "bf16")
 KL_MODES = ("release", "exact")
 
@@ -335,7 +335,7 @@ class TrainConfig:
     max_bad_steps: int = 3  # stop after this many non-finite losses in a row
     checkpoint_every: int = 1  # save adapter + optimizer every N optimizer steps (0: only at the end)
     overwrite: bool = False  # clear the output folder first and redo the stage
-    log_with: str = "none"  # none | tensorboard | wandb: train metrics per optimizer step (tpkit.track)
+    log_with: str = "none"  # none | tensorboard | wandb: train metrics per optimizer step (tpkit.tracking)
     seed: int = 0
     dtype: str = "auto"
     device: str = "auto"
@@ -435,7 +435,7 @@ class Recipe:
     train: TrainConfig
     eval: EvalConfig
     eval_every: int = 0  # evaluate the adapter every N rounds (0: never), logged in rounds.jsonl
-    log_with: str = "none"  # none | tensorboard | wandb (tpkit.track); may change when a run is continued
+    log_with: str = "none"  # none | tensorboard | wandb (tpkit.tracking); may change when a run is continued
     log_images_every: int = 5  # with a tracker: a grid of the round's samples every N rounds (0: never)
 
     def to_dict(self) -> dict:

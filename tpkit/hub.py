@@ -107,3 +107,24 @@ def file(spec: str, what: str, fix: str, source: str = "") -> Path:
         return Path(hf_hub_download(repo, filename))
     except Exception as e:
         raise ModelError(f"cannot download {what} {spec!r}: {_first_line(e)}", download) from None
+
+
+def state_dict(path: Path, what: str, fix: str) -> dict:
+    """The tensors of a .safetensors or torch file (never unpickling code; a {"state_dict": ...}
+    wrapper is unwrapped), or a ModelError naming the file."""
+    import torch
+
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ModelError(f"cannot read {what} {path}: {type(e).__name__}: {str(e)[:200]}", fix) from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise ModelError(f"{what} {path} is not a state dict", fix)
+    return state

@@ -136,20 +136,7 @@ def build(state: dict[str, torch.Tensor], vision_heads: int = 0, text_heads: int
 
 
 def load_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state = load_file(str(path))
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)  # never unpickle code
-    except Exception as e:
-        raise ModelError(f"cannot read ImageReward checkpoint {path}: {type(e).__name__}: {str(e)[:200]}", FIX) from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise ModelError(f"{path} is not a state dict", FIX)
-    return state
+    return hub.state_dict(path, "ImageReward checkpoint", FIX)
 
 
 def load_tokenizer(id_or_path: str):
