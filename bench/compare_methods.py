@@ -1,6 +1,6 @@
 """TP-GRPO against Flow-GRPO on tiny-shapes, measured like a paper: seeds, intervals, held-out prompts.
 
-    python bench/compare_methods.py [--seeds 0 1 2] [--rounds 10] [--jobs 2] [--no-ablations]
+    python bench/compare_methods.py [--seeds 0 1 2] [--rounds 6] [--jobs 2] [--no-ablations]
                                     [--runs runs/compare] [--out bench/compare]
 
 1. Runs. pipelines/shapes-tpgrpo.toml and pipelines/shapes-flowgrpo.toml (identical but for the
@@ -228,7 +228,7 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
     plot(out, agg, diag)
 
     L = ["# TP-GRPO vs Flow-GRPO on tiny-shapes", "",
-         f"Regenerate: `python bench/compare_methods.py --seeds {' '.join(map(str, seeds))} --rounds {tp['rounds']}` "
+         f"Regenerate: `python bench/compare_methods.py {' '.join(sys.argv[1:])}` "
          f"(this run: {elapsed / 60:.0f} min of wall time on {os.cpu_count()} cores; finished runs are reused).",
          "Recipes: `pipelines/shapes-tpgrpo.toml` and `pipelines/shapes-flowgrpo.toml`, identical but for the method. "
          "Held-out accuracy: GenEval's protocol with the shapes detector on `data/shapes-test.jsonl` "
@@ -295,7 +295,7 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=6, help="rounds per run (the recipes' 6)")
     p.add_argument("--jobs", type=int, default=2, help="runs side by side (each gets cores / jobs threads)")
     p.add_argument("--no-ablations", dest="ablations", action="store_false")
     p.add_argument("--runs", type=Path, default=ROOT / "runs" / "compare", help="where the runs go (large)")
