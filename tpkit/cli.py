@@ -293,8 +293,8 @@ def eval_compare(
 
     protocol = EvalConfig(
         prompts=str(prompts) if prompts else "", rewards={r: 1.0 for r in parse_reward_specs(reward)} if reward else {},
-        reward_options=parse_reward_options(reward_opt), images_per_prompt=images_per_prompt, steps=steps, guidance=guidance, resolution=resolution,
-        seed=seed, batch_size=batch_size, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
+        reward_options=parse_reward_options(reward_opt), images_per_prompt=images_per_prompt, steps=steps,
+        guidance=guidance, resolution=resolution, seed=seed, batch_size=batch_size, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
         rank=rank, world_size=world_size)
     manifest = compare.run(CompareConfig(entries=list(entry), protocol=protocol, out=str(out), geneval=geneval,
                                          geneval_options={"detector": detector} if detector else {}))

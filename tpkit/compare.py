@@ -85,7 +85,7 @@ def run(cfg: CompareConfig) -> dict | None:
 
 
 def _read(folder: str) -> list[dict]:
-    return [json.loads(x) for x in (Path(folder) / RESULTS).read_text().splitlines() if x.strip()]
+    return layout.read_jsonl(Path(folder) / RESULTS)
 
 
 def _results(ev: EvalConfig, judge: EvalConfig | None) -> list[dict]:

@@ -146,6 +146,11 @@ def write_manifest(folder: Path, stage: str, config: dict, inputs: dict, counts:
     return manifest
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """One object per non-empty line (rounds.jsonl, metrics.jsonl, results.jsonl)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def read_manifest(folder: Path, stage: str) -> dict:
     """The manifest of a finished stage folder, checked for stage and schema version."""
     path = Path(folder) / MANIFEST

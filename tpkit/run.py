@@ -197,10 +197,10 @@ def log_round(tracker: tracking.Tracker, recipe: Recipe, run_dir: Path, line: di
     from tpkit import report
 
     r, d = line["round"], stage_dirs(run_dir, line["round"])
-    metrics = [json.loads(x) for x in (d["train"] / layout.METRICS_FILE).read_text().splitlines() if x.strip()]
+    metrics = layout.read_jsonl(d["train"] / layout.METRICS_FILE)
     for m in metrics:
         tracker.scalars(tracking.train_scalars(m), m["step"])
-    step = json.loads((d["train"] / layout.MANIFEST).read_text())["counts"]["global_step"]
+    step = layout.read_manifest(d["train"], "train")["counts"]["global_step"]
     values = {"round": r, "reward/mean": line["reward_mean"], "reward/std": line["reward_std"],
               "reward/stderr": line["reward_stderr"], "turning_points/rate": line["turning_point_rate"],
               "turning_points/kept": line["turning_points_kept"], "calls/transformer": line["transformer_calls"],

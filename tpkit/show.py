@@ -123,7 +123,7 @@ def shard_view(path: Path) -> None:
 
 def train_view(folder: Path) -> None:
     """metrics.jsonl of a train folder, one row per optimizer step."""
-    lines = [json.loads(x) for x in (Path(folder) / layout.METRICS_FILE).read_text().splitlines() if x.strip()]
+    lines = layout.read_jsonl(Path(folder) / layout.METRICS_FILE)
     t = Table(title=f"train: {len(lines)} optimizer steps", title_justify="left")
     cols = ("step", "loss", "policy_loss", "kl_loss", "ratio_mean", "clipfrac", "approx_kl", "grad_norm", "samples")
     for c in cols:
@@ -174,7 +174,7 @@ def inspect(path: Path) -> None:
     """Summarise a stage folder, a shard or a Parquet file."""
     path = Path(path)
     if path.is_dir() and (path / layout.ROUNDS_FILE).is_file():  # a `tpkit run` folder
-        lines = [json.loads(x) for x in (path / layout.ROUNDS_FILE).read_text().splitlines() if x.strip()]
+        lines = layout.read_jsonl(path / layout.ROUNDS_FILE)
         console.print(f"[bold]{path}[/]: run with {len(lines)} finished rounds")
         from tpkit.run import base_eval
 
