@@ -136,3 +136,23 @@ def test_bad_entries_are_refused(entries, message, tmp_path, capsys, two_prompts
 def test_nothing_to_measure_is_refused(tmp_path, capsys, two_prompts):
     assert cli("eval", "compare", "--entry", "a=tiny-sd3", "--prompts", two_prompts, "--out", tmp_path / "x") != 0
     assert "nothing to measure" in capsys.readouterr().err
+
+
+def test_rerun_with_other_options_is_refused_then_redone_with_overwrite(compared, adapter, metadata, capsys):
+    changed = [a if a != "jpeg-compressibility" else "brightness" for a in args(compared, adapter, metadata)]
+    changed = changed[:changed.index("--reward") + 2] + changed[changed.index("--reward") + 4:]  # brightness only
+    table = (compared / "compare.json").read_text()
+    assert cli(*changed) != 0
+    assert "--overwrite" in capsys.readouterr().err
+    assert (compared / "compare.json").read_text() == table  # nothing written over
+    assert cli(*changed, "--overwrite") == 0
+    assert json.loads((compared / "compare.json").read_text())["metrics"][0] == "reward_brightness"
+    assert "reward_jpeg_compressibility" not in json.loads((compared / "compare.json").read_text())["metrics"]
+    assert cli(*args(compared, adapter, metadata), "--overwrite") == 0  # as the other tests found it
+
+
+def test_a_file_as_out_is_refused(tmp_path, capsys, two_prompts):
+    (tmp_path / "f").write_text("x")
+    assert cli("eval", "compare", "--entry", "a=tiny-sd3", "--prompts", two_prompts, "--reward", "brightness",
+               "--out", tmp_path / "f") != 0
+    assert "is a file, not a folder" in capsys.readouterr().err

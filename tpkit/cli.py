@@ -285,6 +285,7 @@ def eval_compare(
     guidance: Optional[float] = _GUIDANCE, resolution: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
     batch_size: int = typer.Option(8), max_sequence_length: Optional[int] = _TEXT_LENGTH, device: str = _DEVICE,
     dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
+    overwrite: bool = typer.Option(False, help="Redo every entry's evaluation from scratch (other options, same --out)."),
 ) -> None:
     """Models/adapters x metrics on the same prompts and seeds: one table (mean ± s.e. over prompts, paired
     differences from the first entry) in Markdown, CSV and JSON, and a grid of each prompt across entries."""
@@ -295,7 +296,7 @@ def eval_compare(
         prompts=str(prompts) if prompts else "", rewards={r: 1.0 for r in parse_reward_specs(reward)} if reward else {},
         reward_options=parse_reward_options(reward_opt), images_per_prompt=images_per_prompt, steps=steps,
         guidance=guidance, resolution=resolution, seed=seed, batch_size=batch_size, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
-        rank=rank, world_size=world_size)
+        rank=rank, world_size=world_size, overwrite=overwrite)
     manifest = compare.run(CompareConfig(entries=list(entry), protocol=protocol, out=str(out), geneval=geneval,
                                          geneval_options={"detector": detector} if detector else {}))
     if manifest:

@@ -292,6 +292,8 @@ class CompareConfig:
             raise ConfigError("no prompts given", "pass --prompts FILE (.txt or .jsonl)")
         if not self.out:
             raise ConfigError("no output folder", "pass --out DIR")
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ConfigError(f"--out {self.out} is a file, not a folder", "pass a folder (new or an earlier compare's)")
         return self
 
 
