@@ -134,7 +134,7 @@ class Probe:
         return wrapper
 
     def attach(self, model) -> None:
-        """Hooks on a loaded tpkit.sd3.SD3: transformer forward time, decode time (once per model)."""
+        """Hooks on a loaded tpkit.models model: transformer forward time, decode time (once per model)."""
         if getattr(model, "_bench_probed", False):
             return
         model._bench_probed = True
@@ -162,9 +162,10 @@ def install_probe() -> None:
     import accelerate
     import accelerate.optimizer
 
-    from tpkit import advantages, rollout, score, sd3, train
+    from tpkit import advantages, models, rollout, score, train
+    from tpkit.models import base
 
-    orig_load = sd3.load
+    orig_load = models.load
 
     def load(*a, **kw):
         t0 = time.perf_counter()
@@ -173,12 +174,12 @@ def install_probe() -> None:
         PROBE.attach(m)
         return m
 
-    sd3.load = load
+    models.load = load
     accelerate.Accelerator.backward = PROBE.timed("backward", accelerate.Accelerator.backward)
     accelerate.optimizer.AcceleratedOptimizer.step = PROBE.timed("optimizer", accelerate.optimizer.AcceleratedOptimizer.step)
     for name in ("load_micro_batches", "read_advantages", "_save_state"):
         setattr(train, name, PROBE.timed("train_io", getattr(train, name)))
-    sd3.save_lora = PROBE.timed("train_io", sd3.save_lora)
+    base.Model.save_lora = PROBE.timed("train_io", base.Model.save_lora)
     from tpkit import report
 
     report.write = PROBE.timed("report", report.write)
@@ -252,10 +253,9 @@ def _logged(stage: str, fn):
 def release_cache() -> None:
     """Drop the inference pipeline tpkit keeps between stages of one process (if this tpkit has one),
     so that no measurement inherits a model loaded by an earlier one."""
-    from tpkit import sd3
+    from tpkit.models import base
 
-    if hasattr(sd3, "release"):
-        sd3.release()
+    base.release()
 
 
 def last_stage(stage: str) -> dict:
@@ -273,7 +273,7 @@ def reference_score(rollout_dir: Path, rewards: list) -> dict:
     again. Returns rewards by (trajectory_id, k), counts and seconds (model loading apart)."""
     import torch
 
-    from tpkit import formulas, layout, sd3
+    from tpkit import formulas, layout, models
     from tpkit.rewards import score_images
     from tpkit.score import _pil
 
@@ -283,7 +283,7 @@ def reference_score(rollout_dir: Path, rewards: list) -> dict:
     load0 = PROBE.t["load"]
     foreign = ForeignCPU()
     t0 = time.perf_counter()
-    model = sd3.load(rc["model"], "auto", "auto", text_encoders=False, lora=rc["lora"])
+    model = models.load(rc["model"], models.recorded(rc), text_encoders=False, lora=rc["lora"])
     t_load = PROBE.t["load"] - load0
     calls = decodes = reward_calls = trajectories = 0
     t_read = t_reward = 0.0
@@ -348,7 +348,7 @@ def memory_child(spec_file: str) -> None:
     import transformers  # noqa: F401
     from transformers import CLIPTextModelWithProjection, T5EncoderModel  # noqa: F401
 
-    from tpkit import runtime, score, sd3, train
+    from tpkit import models, runtime, score, train
     from tpkit.config import ScoreConfig, TrainConfig
 
     runtime.quiet_libraries()
@@ -357,7 +357,7 @@ def memory_child(spec_file: str) -> None:
     from tpkit import ui
 
     ui.console.quiet = True
-    orig_load, loads, te_seen = sd3.load, [], []
+    orig_load, loads, te_seen = models.load, [], []
 
     def load(*a, **kw):
         if spec["text_encoders"]:
@@ -368,7 +368,7 @@ def memory_child(spec_file: str) -> None:
         te_seen.append(m.pipe.text_encoder is not None)
         return m
 
-    sd3.load = load
+    models.load = load
     gc.collect()
     baseline = _rss_kib("VmRSS")
     try:  # reset the high-water mark so the peak is this stage's own (Linux >= 4.0)
@@ -434,7 +434,7 @@ def full_size_params() -> dict[str, dict[str, int]]:
 def full_size_gpu(device: str = "cuda", transformer_cfg: dict | None = None, vae_cfg: dict | None = None,
                   resolution: int = 512, rollout_batch: int = 8, score_batch: int = 32, text_tokens: int = TEXT_TOKENS,
                   iters: int = 5, lora_rank: int = 32) -> dict:
-    """Time tpkit's own velocity/decode code (sd3.SD3) on a randomly initialised transformer at
+    """Time tpkit's own velocity/decode code (tpkit.models.sd3.SD3) on a randomly initialised transformer at
     the rollout's batch (one sigma), the score's batch (per-sample sigmas) and batch 1 (the
     reference), a VAE decode, and a LoRA train micro-batch (forward + backward, plus the KL
     reference forward with adapters off). Seconds per call; GPU peak memory."""
@@ -443,8 +443,8 @@ def full_size_gpu(device: str = "cuda", transformer_cfg: dict | None = None, vae
     import torch
     from diffusers import AutoencoderKL, SD3Transformer2DModel
 
-    from tpkit import runtime, sd3
-    from tpkit.config import LORA_TARGETS
+    from tpkit import runtime
+    from tpkit.models import base, sd3
 
     runtime.quiet_libraries()
     tcfg, vcfg = transformer_cfg or SD35M_TRANSFORMER, vae_cfg or SD35M_VAE
@@ -500,7 +500,7 @@ def full_size_gpu(device: str = "cuda", transformer_cfg: dict | None = None, vae
             z = torch.randn(B, c, h, h, device=dev)
             res[f"decode_{label}_s"] = bench(lambda: model.decode(z), n=max(1, iters // 2))
     # Train: a LoRA on the attention projections, a micro-batch as the rollout batched it.
-    sd3.add_trainable_lora(transformer, lora_rank, 2 * lora_rank, LORA_TARGETS)
+    base.add_trainable_lora(transformer, lora_rank, 2 * lora_rank, sd3.LORA_TARGETS)
     x, emb = inputs(rollout_batch)
     sig = torch.full((rollout_batch,), 0.7)
     if cuda:
@@ -621,7 +621,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from tpkit import advantages, formulas, rollout, run, runtime, score, sd3, ui
+    from tpkit import advantages, formulas, models, rollout, run, runtime, score, ui
     from tpkit.config import ScoreConfig, load_recipe
     from tpkit.rewards import load_rewards
 
@@ -649,7 +649,7 @@ def main() -> None:
 
     # 0. Warm-up: build tiny-sd3, import everything, run each stage once on a small rollout.
     t0 = time.perf_counter()
-    sd3.resolve_model(recipe.rollout.model)
+    models.family(recipe.rollout.family).resolve(recipe.rollout.model)
     t_build = time.perf_counter() - t0
     warm = tmp / "warmup"
     (warm / "p.txt").parent.mkdir(parents=True)

@@ -49,9 +49,9 @@ def build_tiny_clip(path: Path, layers: int = 1, seed: int = 0) -> Path:
     import torch
     from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
 
-    from tpkit.sd3 import _tiny_tokenizer
+    from tpkit.models.base import tiny_tokenizer
 
-    tok = _tiny_tokenizer()
+    tok = tiny_tokenizer()
     text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                 num_attention_heads=2, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

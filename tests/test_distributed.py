@@ -107,9 +107,9 @@ def run_all(*cmds: list[str], cwd: Path | None = None, timeout: float = TIMEOUT)
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, tpkit_home) -> Path:
-    from tpkit import sd3
+    from tpkit.models import sd3
 
-    sd3.resolve_model("tiny-sd3")  # build once here; the subprocesses inherit $TPKIT_HOME
+    sd3.resolve("tiny-sd3")  # build once here; the subprocesses inherit $TPKIT_HOME
     d = tmp_path_factory.mktemp("distributed")
     (d / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
     return d

@@ -57,7 +57,7 @@ def test_tiny_recipe_passes(tmp_path):
     assert doctor.exit_code(checks) == 0
     c = by_name(checks)
     for name in ("python", "torch", "diffusers", "transformers", "peft", "accelerate", "pyarrow", "webdataset",
-                 "SD3 pipeline", "recipe", "prompts", "run folder", "disk space", "model", "reward brightness",
+                 "pipeline", "recipe", "prompts", "run folder", "disk space", "model", "reward brightness",
                  "TPKIT_HOME", "HF cache"):
         assert c[name].ok, c[name]
     assert "tiny-sd3" in c["model"].detail

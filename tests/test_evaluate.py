@@ -89,7 +89,7 @@ def test_prompt_batches_do_not_depend_on_ranks_or_resume():
 def test_interrupted_run_resumes_to_identical_images(one_eval, two_prompts, monkeypatch):
     """A killed run leaves a prompt with some images and no results.json; the rerun recomputes
     them in the same transformer batch as the uninterrupted run: same bytes, same rewards."""
-    from tpkit import sd3
+    from tpkit.models import sd3
 
     tmp, _ = one_eval
     sizes = []

@@ -352,7 +352,7 @@ def test_train_sigkill_resumes_to_the_same_adapter(clean, tmp_path, point):
     import torch
     from safetensors.torch import load_file
 
-    from tpkit import sd3
+    from tpkit.models import base
 
     out = tmp_path / "train"
     argv = train_argv(clean, out)
@@ -371,8 +371,8 @@ def test_train_sigkill_resumes_to_the_same_adapter(clean, tmp_path, point):
     assert m["resumed_from_step"] >= 1, m
     assert m["counts"]["optimizer_steps"] == 3
     assert not (out / "checkpoint").exists()
-    a = load_file(out / "adapter" / sd3.LORA_WEIGHTS)
-    b = load_file(clean / "train" / "adapter" / sd3.LORA_WEIGHTS)
+    a = load_file(out / "adapter" / base.LORA_WEIGHTS)
+    b = load_file(clean / "train" / "adapter" / base.LORA_WEIGHTS)
     assert a.keys() == b.keys()
     for key in a:
         assert torch.allclose(a[key], b[key], rtol=0, atol=1e-6), key

@@ -167,10 +167,13 @@ def _tensors(member: int) -> dict:
             "log_probs": torch.randn(2, generator=g), "final_latent": torch.randn(4, 2, 2, generator=g)}
 
 
+EMBEDS = ("prompt_embeds", "pooled_prompt_embeds", "text_ids")  # any keys: shards store what the family encodes
+
+
 def make_shard(path: Path, members: int = 3, **meta_over) -> Path:
     w = ShardWriter()
     w.add_prompt(PromptRecord("p0", "a prompt", {"prompt": "a prompt", "tag": "t"},
-                              {k: torch.ones(1, 3, 4) * i for i, k in enumerate(layout.EMBED_KEYS)}))
+                              {k: torch.ones(1, 3, 4) * i for i, k in enumerate(EMBEDS)}))
     for m in range(members):
         w.add_trajectory(TrajectoryRecord(_meta(f"p0-m{m:03d}", "p0", m, **meta_over), _tensors(m), _png()))
     layout.atomic_write(path, w.to_bytes())
@@ -188,7 +191,7 @@ def test_shard_round_trip(tmp_path):
     prompts, trajs = layout.read_shard(path)
     assert list(prompts) == ["p0"]
     assert prompts["p0"].metadata == {"prompt": "a prompt", "tag": "t"}
-    assert set(prompts["p0"].embeds) == set(layout.EMBED_KEYS)
+    assert set(prompts["p0"].embeds) == set(EMBEDS)
     assert [t.trajectory_id for t in trajs] == ["p0-m000", "p0-m001", "p0-m002"]
     for m, t in enumerate(trajs):
         assert t.meta == _meta(t.trajectory_id, "p0", m)

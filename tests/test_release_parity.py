@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tpkit import formulas as F
-from tpkit.config import LORA_TARGETS, LORA_TARGETS_ATTN2, TrainConfig
+from tpkit.config import TrainConfig
+from tpkit.models.sd3 import LORA_TARGETS, LORA_TARGETS_ATTN2
 
 NOISE_LEVEL = 0.7
 
@@ -201,10 +202,10 @@ def adapted_modules(transformer) -> set[str]:
 def test_lora_lands_on_the_release_modules_of_sd35_medium():
     from peft import LoraConfig
 
-    from tpkit import sd3
+    from tpkit.models import base
 
     ours = sd35_medium_shaped_transformer()
-    sd3.add_trainable_lora(ours, 4, 8, TrainConfig().lora_targets)
+    base.add_trainable_lora(ours, 4, 8, LORA_TARGETS)
     theirs = sd35_medium_shaped_transformer()
     theirs.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=RELEASE_LORA_TARGETS))
     # by hand: 8 joint-attention projections per block, no to_add_out in the context-pre-only last block
@@ -216,10 +217,10 @@ def test_lora_lands_on_the_release_modules_of_sd35_medium():
 
 
 def test_second_attention_is_opt_in():
-    from tpkit import sd3
+    from tpkit.models import base
 
     model = sd35_medium_shaped_transformer()
-    sd3.add_trainable_lora(model, 4, 8, list(LORA_TARGETS) + list(LORA_TARGETS_ATTN2))
+    base.add_trainable_lora(model, 4, 8, list(LORA_TARGETS) + list(LORA_TARGETS_ATTN2))
     names = adapted_modules(model)
     assert len(names) == 191 + 13 * 4
     assert {n for n in names if ".attn2." in n} == {f"transformer_blocks.{i}.attn2.{t}" for i in range(13)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import pytest
 import torch
 
 from tpkit import shapes_model as sm
@@ -80,15 +79,16 @@ def test_interrupted_training_resumes_to_the_same_model(tmp_path):
 
 def test_tiny_shapes_ships_with_the_package_and_generates(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from tpkit import formulas, sd3
+    from tpkit import formulas, models
+    from tpkit.models import base, sd3
 
     folder = sm.weights_dir()
     size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     assert size <= 30e6 and list(folder.rglob("*.safetensors"))
-    model = sd3.load("tiny-shapes", device="cpu")
-    assert sd3.resolve_model("tiny-shapes") == str(folder)
-    emb = model.encode(["a photo of a blue square"], max_sequence_length=sm.TEXT_LENGTH)
-    sigmas = model.sigmas(4)
+    model = models.load("tiny-shapes", device="cpu")
+    assert sd3.resolve("tiny-shapes") == str(folder)
+    emb = model.encode(["a photo of a blue square"], sm.TEXT_LENGTH)
+    sigmas = model.sigmas(4, sm.RESOLUTION)
     x = torch.randn(1, *model.latent_shape(sm.RESOLUTION), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for t in range(4):
@@ -96,7 +96,7 @@ def test_tiny_shapes_ships_with_the_package_and_generates(monkeypatch):
     image = model.decode(x)
     assert image.shape == (1, sm.RESOLUTION, sm.RESOLUTION, 3) and image.dtype == np.uint8
     assert image.std() > 5  # not a blank canvas
-    sd3.release()
+    base.release()
 
 
 def test_the_shipped_tiny_shapes_draws_what_it_is_asked():

@@ -28,6 +28,7 @@ from tpkit.rewards import BUILTIN, component_column
 T, K, PROMPTS, GROUP = 10, 9, 2, 4
 N = PROMPTS * GROUP
 LATENT = (16, 8, 8)  # tiny-sd3 at 64 px: 16 channels, VAE downsamples by 8
+SD3_EMBEDS = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
 JPEG = "reward_jpeg_compressibility"
 
 
@@ -137,12 +138,12 @@ def test_prompt_embeddings_stored_once_per_prompt(shards):
         assert sorted(embeds) == sorted(f"{pid}.{layout.EMBEDS}" for pid in prompts)
         assert len(embeds) == 1
         for rec in prompts.values():
-            assert set(rec.embeds) == set(layout.EMBED_KEYS)
+            assert set(rec.embeds) == set(SD3_EMBEDS)
             assert all(v.shape[0] == 1 for v in rec.embeds.values())
         seen += list(prompts)
         # Trajectory samples carry no embeddings of their own.
         for t in trajs:
-            assert not set(t.tensors) & set(layout.EMBED_KEYS)
+            assert not set(t.tensors) & set(SD3_EMBEDS)
     assert sorted(seen) == ["p00000", "p00001"]
 
 
@@ -226,12 +227,12 @@ def test_initial_noise_is_reproducible_from_the_stored_seed(trajectories):
 
 def test_branch_0_is_the_ode_sample_from_the_same_noise(trajectories, run_scores, shards):
     """R_0 = R(decode(ODE(x_T-noise))) from torch.randn(seed), not from fresh noise."""
-    from tpkit import runtime, sd3
+    from tpkit import models, runtime
 
     _, prompts, trajs = shards[0]
     t = trajs[1]
     m = t.meta
-    model = sd3.load("tiny-sd3", "cpu", "float32", text_encoders=False)
+    model = models.load("tiny-sd3", device="cpu", dtype="float32", text_encoders=False)
     x = torch.randn(LATENT, generator=torch.Generator().manual_seed(m["seed"]))[None]
     s = m["sigmas"]
     with torch.no_grad():
@@ -257,12 +258,12 @@ def test_rescoring_gives_bit_identical_rewards(tiny_run, run_scores, tmp_path):
 
 
 def test_branches_final_writes_only_branch_K_and_calls_no_transformer(tiny_run, run_scores, tmp_path, monkeypatch):
-    from tpkit import sd3
+    from tpkit import models
 
     def no_model(*a, **k):
         raise AssertionError("score --branches final must not load the model")
 
-    monkeypatch.setattr(sd3, "load", no_model)
+    monkeypatch.setattr(models, "load", no_model)
     out = tmp_path / "final"
     score.run(ScoreConfig(rollout=str(tiny_run / "rollout"), out=str(out), branches="final"))
     rows = scores_rows(out)
@@ -295,7 +296,7 @@ def test_rollout_rerun_into_another_folder_is_identical(tiny_run, two_prompts, s
 
 
 def test_rollout_rerun_keeps_finished_shards_and_recreates_deleted_ones(tiny_run, two_prompts, tmp_path, monkeypatch):
-    from tpkit import sd3
+    from tpkit import models
 
     out = tmp_path / "rollout"
     shutil.copytree(tiny_run / "rollout", out)
@@ -307,7 +308,7 @@ def test_rollout_rerun_keeps_finished_shards_and_recreates_deleted_ones(tiny_run
 
     # 1. A complete folder: nothing to sample (the model is not even loaded), nothing rewritten.
     with monkeypatch.context() as mp:
-        mp.setattr(sd3, "load", no_model)
+        mp.setattr(models, "load", no_model)
         manifest = rollout.run(rollout_cfg(two_prompts, out))
     assert manifest is not None and manifest["counts"]["trajectories"] == N
     for p, (mtime, data) in before.items():

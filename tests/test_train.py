@@ -17,14 +17,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tpkit import layout, rollout, sd3, train
+from tpkit import layout, models, rollout, train
+from tpkit.models import base, sd3
 from tpkit.config import RolloutConfig, TrainConfig
 from tpkit.errors import ConfigError, InputError
 
 RANK, ALPHA = 4, 8
 LR = 1e-2  # large enough that two steps visibly change the tiny model's output
 METRIC_KEYS = ("step", "loss", "policy_loss", "kl_loss", "ratio_mean", "clipfrac", "approx_kl", "grad_norm", "lr")
-WEIGHTS = sd3.LORA_WEIGHTS
+WEIGHTS = base.LORA_WEIGHTS
 
 
 def train_cfg(tiny_run: Path, out: Path, **kw) -> TrainConfig:
@@ -146,7 +147,7 @@ def test_adapter_loads_into_diffusers_and_changes_output(trained):
     from diffusers import StableDiffusion3Pipeline
     from peft.utils import get_peft_model_state_dict
 
-    pipe = StableDiffusion3Pipeline.from_pretrained(sd3.resolve_model("tiny-sd3"))
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3.resolve("tiny-sd3"))
     pipe.set_progress_bar_config(disable=True)
 
     def generate() -> np.ndarray:
@@ -289,7 +290,7 @@ def test_nothing_to_learn_is_an_error(tiny_run, tmp_path):
 def test_ema_adapter_loads_into_diffusers(trained):
     from diffusers import StableDiffusion3Pipeline
 
-    pipe = StableDiffusion3Pipeline.from_pretrained(sd3.resolve_model("tiny-sd3"))
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3.resolve("tiny-sd3"))
     pipe.load_lora_weights(str(trained / train.ADAPTER))
     assert pipe.get_list_adapters().get("transformer")
 
@@ -359,7 +360,7 @@ def test_unknown_lora_target(tiny_run, tmp_path):
 
 def test_loads_no_text_encoder_and_no_vae(tiny_run, tmp_path, monkeypatch):
     calls = []
-    real = sd3.load
+    real = models.load
 
     def spy(*args, **kwargs):
         calls.append(kwargs)
@@ -369,7 +370,7 @@ def test_loads_no_text_encoder_and_no_vae(tiny_run, tmp_path, monkeypatch):
         assert pipe.vae is None
         return model
 
-    monkeypatch.setattr(sd3, "load", spy)
+    monkeypatch.setattr(models, "load", spy)
     train.run(train_cfg(tiny_run, tmp_path / "train", beta=0.0, optimizer_steps=1))
     assert len(calls) == 1
     assert calls[0].get("text_encoders") is False
@@ -422,7 +423,7 @@ def test_score_merges_the_policy_adapter_and_matches_it_unmerged(trained, two_pr
     lora = str(trained / train.ADAPTER)
     rollout.run(RolloutConfig(prompts=str(two_prompts), out=str(tmp_path / "rollout"), group_size=2, steps=6,
                               window_size=5, window_range=(0, 5), lora=lora))
-    cached = next(iter(sd3._CACHE.values()))
+    cached = next(iter(base._CACHE.values()))
     assert not cached.lora_fused and any("lora" in n for n, _ in cached.transformer.named_modules())
 
     def rewards(name: str) -> np.ndarray:
@@ -431,20 +432,20 @@ def test_score_merges_the_policy_adapter_and_matches_it_unmerged(trained, two_pr
         return np.asarray(t["reward"].to_pylist())
 
     merged = rewards("merged")
-    model = next(iter(sd3._CACHE.values()))
+    model = next(iter(base._CACHE.values()))
     assert model is cached and model.lora_fused  # the rollout's pipeline, merged in place
     assert not any("lora" in n for n, _ in model.transformer.named_modules())
-    again = sd3.load("tiny-sd3", lora=lora, reuse=True)  # what the next rollout asks for
+    again = models.load("tiny-sd3", lora=lora, reuse=True)  # what the next rollout asks for
     assert again is not model and not again.lora_fused
 
-    sd3.release()
-    monkeypatch.setattr(sd3, "_fuse", lambda m: None)  # keep peft's separate adapter
+    base.release()
+    monkeypatch.setattr(base, "_fuse", lambda m: None)  # keep peft's separate adapter
     separate = rewards("separate")
     assert np.abs(merged - separate).max() < 1e-5
 
     # The merged weights are the adapter's, not the base model's.
-    base = sd3.load("tiny-sd3", text_encoders=False)
-    x, sigma = torch.randn(1, *base.latent_shape(64), generator=torch.Generator().manual_seed(0)), torch.tensor([0.5])
+    plain = models.load("tiny-sd3", text_encoders=False)
+    x, sigma = torch.randn(1, *plain.latent_shape(64), generator=torch.Generator().manual_seed(0)), torch.tensor([0.5])
     emb = next(iter(layout.read_shard(layout.list_shards(tmp_path / "rollout")[0])[0].values())).embeds
     with torch.no_grad():
-        assert (model.velocity(x, sigma, emb, 4.5) - base.velocity(x, sigma, emb, 4.5)).abs().max() > 1e-4
+        assert (model.velocity(x, sigma, emb, 4.5) - plain.velocity(x, sigma, emb, 4.5)).abs().max() > 1e-4

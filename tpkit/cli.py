@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import typer
 
-from tpkit.config import LORA_TARGETS, LORA_TARGETS_ATTN2, TINY_MODEL, TrainConfig
+from tpkit.config import TINY_MODEL, TrainConfig
 from tpkit.errors import TpkitError
 
 app = typer.Typer(
@@ -30,18 +30,22 @@ _WORLD = typer.Option(None, help="Number of processes (default: $WORLD_SIZE or 1
 _DEVICE = typer.Option("auto", help="cuda, cpu, cuda:1 ... (auto: cuda if available).")
 _DTYPE = typer.Option("auto", help="Model dtype: auto (bf16 on CUDA, float32 on CPU), float32, bf16, fp16.")
 _TEXT_LENGTH = typer.Option(None, help="T5 tokens per prompt (default: the model's; 128 for SD3.5, as the release).")
-_GUIDANCE = typer.Option(None, help="Classifier-free guidance scale (default: the model's; 4.5 for SD3.5, as the release).")
+_GUIDANCE = typer.Option(None, help="Guidance scale (default: the model's, as the release: CFG 4.5 for SD3.5, "
+                                     "distilled guidance 3.5 for FLUX.1-dev).")
+_FAMILY = typer.Option(None, help="Model family, sd3 or flux (default: from the model: its model_index.json, else its name).")
+_MODEL = "Hub id, local folder, or a built-in model: tiny-sd3, tiny-flux (random, built locally), tiny-shapes (pretrained, shipped)."
 
 
 @app.command()
 def rollout(
     prompts: Path = typer.Option(..., "--prompts", help=".txt (one prompt a line) or .jsonl (objects with \"prompt\")."),
     out: Path = typer.Option(..., "--out", help="Output folder for shards and manifest.json."),
-    model: str = typer.Option(TINY_MODEL, help="Hub id, local folder, or tiny-sd3 (built-in, nothing to download)."),
+    model: str = typer.Option(TINY_MODEL, help=_MODEL),
+    family: Optional[str] = _FAMILY,
     group_size: int = typer.Option(24, help="Trajectories per prompt (the GRPO group)."),
     steps: int = typer.Option(10, help="Sampling steps T."),
     guidance: Optional[float] = _GUIDANCE,
-    resolution: Optional[int] = typer.Option(None, help="Image size in pixels (default 512; 64 for tiny-sd3)."),
+    resolution: Optional[int] = typer.Option(None, help="Image size in pixels (default: the model's; 512, 64 for the tiny ones)."),
     sampler: str = typer.Option("cps", help="sde (Flow-GRPO) or cps (coefficients-preserving; the paper's)."),
     noise_level: float = typer.Option(0.7, help="Noise level a of the stochastic sampler."),
     window_size: int = typer.Option(9, help="K: number of consecutive stochastic steps."),
@@ -60,7 +64,7 @@ def rollout(
     from tpkit.show import manifest_summary
 
     cfg = RolloutConfig(
-        model=model, prompts=str(prompts), out=str(out), group_size=group_size, steps=steps, guidance=guidance,
+        model=model, family=family, prompts=str(prompts), out=str(out), group_size=group_size, steps=steps, guidance=guidance,
         resolution=resolution, sampler=sampler, noise_level=noise_level, window_size=window_size,
         window_range=window_range, seed=seed, lora=str(lora) if lora else None, prompts_per_shard=prompts_per_shard,
         batch_size=batch_size, max_sequence_length=max_sequence_length, dtype=dtype, device=device, rank=rank,
@@ -134,9 +138,10 @@ def train(
     init_lora: Optional[Path] = typer.Option(None, help="adapter/ of a previous round (its state/ is continued too)."),
     lora_rank: int = typer.Option(32, help="LoRA rank r."),
     lora_alpha: int = typer.Option(64, help="LoRA alpha."),
-    lora_target: List[str] = typer.Option(
-        list(LORA_TARGETS), help="Modules to adapt (repeatable; default: the release's joint-attention projections; "
-                                 f"SD3.5's second attention is opt-in: {', '.join(LORA_TARGETS_ATTN2)})."),
+    lora_target: Optional[List[str]] = typer.Option(
+        None, help="Modules to adapt (repeatable; default: the model family's, as the release: SD3's joint-attention "
+                   "projections, FLUX's attention and double-block feed-forward layers; SD3.5's second attention "
+                   "(attn2.to_q ...) and FLUX's single-block proj_mlp/proj_out are opt-in)."),
     learning_rate: float = typer.Option(3e-4, help="AdamW learning rate."),
     adam_beta1: float = typer.Option(0.9), adam_beta2: float = typer.Option(0.999),
     adam_weight_decay: float = typer.Option(1e-4), adam_epsilon: float = typer.Option(1e-8),
@@ -173,7 +178,7 @@ def train(
 
     cfg = TrainConfig(
         rollout=str(rollout_dir), advantages=str(advantages_dir), out=str(out), init_lora=str(init_lora) if init_lora else None,
-        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=list(lora_target), learning_rate=learning_rate,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=list(lora_target) if lora_target else None, learning_rate=learning_rate,
         adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_weight_decay=adam_weight_decay, adam_epsilon=adam_epsilon,
         clip_range=clip_range, adv_clip=adv_clip, beta=beta, kl=kl, drop_zero_advantage=drop_zero_advantage,
         optimizer_steps=optimizer_steps, ema_every=ema_every,
@@ -237,7 +242,7 @@ def eval_reward(
     out: Path = typer.Option(..., "--out", help="Output folder: images/, results.jsonl, summary.json, grid.png."),
     reward: List[str] = typer.Option(..., help="NAME[=WEIGHT], repeatable; or module:function."),
     reward_opt: List[str] = typer.Option([], help="NAME.OPTION=VALUE (repeatable)."),
-    model: str = typer.Option(TINY_MODEL, help="Hub id, local folder, or tiny-sd3."),
+    model: str = typer.Option(TINY_MODEL, help=_MODEL),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter folder (e.g. runs/NAME/round-NNNN/train/adapter)."),
     images: Optional[Path] = typer.Option(None, help="Score this folder of images (GenEval layout) instead of generating."),
     images_per_prompt: int = typer.Option(4), steps: int = typer.Option(40, help="ODE steps."),
@@ -256,7 +261,7 @@ def eval_geneval(
     metadata: Optional[Path] = typer.Option(None, help="GenEval evaluation_metadata.jsonl (default: GenEval's 553 prompts, regenerated)."),
     detector: Optional[str] = typer.Option(None, help="Detector id or folder (default Mask2Former Swin-S COCO)."),
     clip: Optional[str] = typer.Option(None, help="CLIP for colours (default openai/clip-vit-large-patch14)."),
-    model: str = typer.Option(TINY_MODEL, help="Hub id, local folder, or tiny-sd3."),
+    model: str = typer.Option(TINY_MODEL, help=_MODEL),
     lora: Optional[Path] = typer.Option(None, help="LoRA adapter folder."),
     images: Optional[Path] = typer.Option(None, help="Judge this folder of images (GenEval layout) instead of generating."),
     images_per_prompt: int = typer.Option(4), steps: int = typer.Option(40, help="ODE steps."),

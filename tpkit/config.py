@@ -17,6 +17,7 @@ from tpkit.errors import ConfigError
 
 TINY_MODEL = "tiny-sd3"  # random, built locally: proves plumbing
 SHAPES_MODEL = "tiny-shapes"  # pretrained on coloured-shape scenes, shipped in the package: shows learning
+FLUX_MODEL = "tiny-flux"  # random FLUX.1 in miniature, built locally: proves the FLUX plumbing
 SAMPLERS = ("sde", "cps")
 METHODS = ("tp-grpo", "flow-grpo")
 BRANCHES = ("all", "final")
@@ -25,20 +26,6 @@ STD_MODES = ("group", "global")
 TRACKERS = ("none", "tensorboard", "wandb")  # --log-with (tpkit.tracking)
 PRECISIONS = ("no", "fp16", "bf16")
 KL_MODES = ("release", "exact")
-
-# Per-model defaults where a model is not SD3.5-sized. Text length = T5 tokens per prompt
-# (`max_sequence_length`): 128 as the authors' release encodes prompts in training and evaluation.
-# Guidance: the CFG scale of rollouts and evaluation, 4.5 as the release samples SD3.5.
-_DEFAULTS = {"resolution": 512, "text_length": 128, "guidance": 4.5}
-MODEL_DEFAULTS = {TINY_MODEL: {"resolution": 64, "text_length": 128},
-                  # trained with 12 T5 tokens; guidance chosen on train-split prompts after pretraining (README)
-                  SHAPES_MODEL: {"resolution": 64, "text_length": 12, "guidance": 2.0}}
-
-
-def model_default(model: str, key: str):
-    """A default that depends on the model (resolution, text_length, guidance); SD3.5's for hub ids and folders."""
-    return MODEL_DEFAULTS.get(model, _DEFAULTS).get(key, _DEFAULTS[key])
-
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
@@ -100,9 +87,22 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return r, w
 
 
+def _model_defaults(cfg) -> None:
+    """Fill a sampling config's family, resolution, text length and guidance from its model."""
+    from tpkit import models
+
+    if cfg.family is None:
+        cfg.family = models.family_of(cfg.model)
+    _choice("family", cfg.family, tuple(models.FAMILIES))
+    for attr, key in (("resolution", "resolution"), ("max_sequence_length", "text_length"), ("guidance", "guidance")):
+        if getattr(cfg, attr) is None:
+            setattr(cfg, attr, models.default(cfg.model, key, cfg.family))
+
+
 @dataclass
 class RolloutConfig:
     model: str = TINY_MODEL
+    family: str | None = None  # None: the model's (tpkit.models.family_of); sd3 | flux
     prompts: str = ""
     out: str = ""
     group_size: int = 24
@@ -127,12 +127,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         self.window_range = tuple(self.window_range)
-        if self.resolution is None:
-            self.resolution = model_default(self.model, "resolution")
-        if self.max_sequence_length is None:
-            self.max_sequence_length = model_default(self.model, "text_length")
-        if self.guidance is None:
-            self.guidance = model_default(self.model, "guidance")
+        _model_defaults(self)
 
     def validate(self) -> "RolloutConfig":
         check_types(self)
@@ -217,6 +212,7 @@ class AdvantagesConfig:
 class EvalConfig:
     kind: str = "reward"  # reward | geneval
     model: str = TINY_MODEL
+    family: str | None = None  # None: the model's (tpkit.models.family_of); sd3 | flux
     lora: str | None = None
     prompts: str = ""  # .txt/.jsonl; for geneval GenEval metadata jsonl
     out: str = ""
@@ -243,12 +239,7 @@ class EvalConfig:
             raise ConfigError(f"unknown evaluation {self.kind!r}", "use `tpkit eval reward` or `tpkit eval geneval`")
         if self.kind == "reward" and not self.rewards:
             raise ConfigError("no reward given", "pass --reward NAME[=WEIGHT], e.g. --reward pickscore")
-        if self.resolution is None:
-            self.resolution = model_default(self.model, "resolution")
-        if self.max_sequence_length is None:
-            self.max_sequence_length = model_default(self.model, "text_length")
-        if self.guidance is None:
-            self.guidance = model_default(self.model, "guidance")
+        _model_defaults(self)
         for name in ("images_per_prompt", "steps", "batch_size", "grid_prompts", "max_sequence_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be >= 1", f"set {name} to a positive value")
@@ -297,13 +288,21 @@ class CompareConfig:
         return self
 
 
-# The release's LoRA targets: the eight projections of every block's joint attention. Qualified with
-# `attn.` so that on SD3.5-Medium they do not also match the second attention (`attn2`) of its 13
-# dual-attention (MMDiT-X) blocks: 191 adapted layers, as in the published runs, not 243.
-LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                "attn.add_v_proj", "attn.to_add_out")
-# Opt-in: the second (image-only) attention of SD3.5's dual-attention blocks.
-LORA_TARGETS_ATTN2 = ("attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
+def lora_targets(targets: list[str] | None, family: str) -> list[str]:
+    """The adapter's target modules: the family's default (the release's) when None, else the
+    user's, each one of the family's known names (a bare `to_q` would match more than meant)."""
+    from tpkit import models
+
+    d = models.family(family).DEFAULTS
+    if targets is None:
+        return list(d["lora_targets"])
+    known = (*d["lora_targets"], *d["lora_targets_optional"])
+    unknown = set(targets) - set(known)
+    if unknown:
+        raise ConfigError(f"unknown LoRA target(s) {', '.join(sorted(unknown))} for the {family} family",
+                          f"choose from {', '.join(known)} (qualified names: `to_q` alone would also match "
+                          "layers the release leaves alone)")
+    return list(targets)
 
 
 @dataclass
@@ -314,7 +313,7 @@ class TrainConfig:
     init_lora: str | None = None  # adapter/ of a previous round; its sibling state/ continues the optimizer
     lora_rank: int = 32
     lora_alpha: int = 64
-    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    lora_targets: list[str] | None = None  # None: the model family's (the release's); checked by train
     learning_rate: float = 3e-4
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -358,11 +357,6 @@ class TrainConfig:
                               "use e.g. 3e-4 (the paper's)")
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"ema_decay = {self.ema_decay} is not in [0, 1)", "use e.g. 0.9 (the release's)")
-        unknown = set(self.lora_targets) - set(LORA_TARGETS + LORA_TARGETS_ATTN2)
-        if unknown:
-            raise ConfigError(f"unknown LoRA target(s) {', '.join(sorted(unknown))}",
-                              f"choose from {', '.join(LORA_TARGETS + LORA_TARGETS_ATTN2)} (qualified names: "
-                              "`to_q` alone would also match SD3.5's second attention)")
         if self.init_lora:
             self.init_lora = str(Path(self.init_lora).expanduser().resolve())
         return self
@@ -417,7 +411,7 @@ _WIRED = {
     "score": {"rollout", "out", "rewards", "reward_options", "rank", "world_size", "overwrite"},
     "advantages": {"scores", "out", "method", "overwrite"},
     "train": {"rollout", "advantages", "out", "init_lora", "seed", "overwrite", "log_with"},
-    "eval": {"model", "lora", "out", "images", "resolution", "rank", "world_size", "overwrite"},
+    "eval": {"model", "family", "lora", "out", "images", "resolution", "rank", "world_size", "overwrite"},
 }
 _SECTIONS = {"rollout": RolloutConfig, "score": ScoreConfig, "advantages": AdvantagesConfig, "train": TrainConfig,
              "eval": EvalConfig}
@@ -550,7 +544,7 @@ def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None 
         sections["score"].branches = "all" if method == "tp-grpo" else "final"  # flow-grpo needs only R_K
     sections["advantages"].method = method
     ev = sections["eval"]
-    ev.model, ev.resolution = sections["rollout"].model, sections["rollout"].resolution
+    ev.model, ev.family, ev.resolution = sections["rollout"].model, sections["rollout"].family, sections["rollout"].resolution
     if "max_sequence_length" not in data.get("eval", {}):  # prompts encoded as in training
         ev.max_sequence_length = sections["rollout"].max_sequence_length
     if ev.kind == "reward" and not ev.rewards:  # by default, evaluate what is trained
@@ -574,6 +568,7 @@ def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None 
     recipe.score.validate()
     recipe.advantages.validate()
     recipe.train.validate()
+    recipe.train.lora_targets = lora_targets(recipe.train.lora_targets, recipe.rollout.family)  # checked up front
     if method == "tp-grpo" and recipe.score.branches != "all":
         raise ConfigError("method tp-grpo needs every branch scored", "set score.branches = \"all\" (or method = \"flow-grpo\")")
     return recipe

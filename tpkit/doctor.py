@@ -9,7 +9,7 @@ which never touches the network).
 
 Checks, in order: Python and tpkit; torch, CUDA, GPUs, bf16; the libraries tpkit needs (installed,
 version, import); torchvision (absent, or importable together with transformers' image processors);
-the SD3 pipeline classes; the recipe (loaded with `tpkit.config.load_recipe`); the run folder (writable,
+the model family's pipeline classes; the recipe (loaded with `tpkit.config.load_recipe`); the run folder (writable,
 free space, an estimate of what the recipe writes); the model (tiny-sd3, a local folder or a hub id in
 the HF cache, complete); each reward (known, its optional extras, its model files); the hub
 (reachable?); $TPKIT_HOME and the HF cache.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from tpkit.config import TINY_MODEL
+from tpkit.config import FLUX_MODEL, SHAPES_MODEL, TINY_MODEL
 
 GiB = 1024**3
 MiB = 1024**2
@@ -74,10 +74,7 @@ NEEDS = {
 PROCESSOR_FILES = ("preprocessor_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt")
 
-# Rough sizes for the disk estimate (see estimate_round_bytes).
-LATENT_CHANNELS = 16  # SD3 / SD3.5 and tiny-sd3
-_EMBED_DIMS = {"tiny": (64, 64), "sd3": (4096, 2048)}  # (joint attention dim, pooled dim)
-_LORA_BYTES_PER_RANK = {"tiny": 20_000, "sd3": 3_000_000}  # ~244 adapted 1536x1536 linears in SD3.5-M, fp32
+BUILTIN_MODELS = (TINY_MODEL, SHAPES_MODEL, FLUX_MODEL)  # laptop-sized: CPU is fine
 
 
 @dataclass
@@ -103,7 +100,7 @@ class _Context:
     checks: list[Check] = field(default_factory=list)
     torch: Any = None
     cuda: bool = False
-    sd3_imports_ok: bool = False
+    pipeline_imports_ok: bool = False
     hub_ok: bool | None = None
 
     def add(self, name: str, ok: bool, detail: str, fix: str | None = None, level: str = "error") -> Check:
@@ -384,7 +381,7 @@ def _check_torch(ctx: _Context, mins: dict[str, str], big_model: bool) -> None:
             reason = _first_line(e)
     level = "warning" if big_model else "info"
     ctx.add("cuda", False, f"not available ({reason}): everything runs on the CPU"
-            + (", far too slow for SD3/SD3.5" if big_model else " (fine for tiny-sd3)"),
+            + (", far too slow for SD3.5 or FLUX" if big_model else " (fine for the tiny models)"),
             "run on a machine with a CUDA GPU and the CUDA build of torch", level=level)
 
 
@@ -439,25 +436,28 @@ def _check_torchvision(ctx: _Context) -> None:
     ctx.add("torchvision", True, f"torchvision {version}, imports with transformers' image processors", level="info")
 
 
-def _check_sd3_imports(ctx: _Context) -> None:
-    """The classes every stage loads (rollout, score, train and the tiny model's builder)."""
+def _check_pipeline_imports(ctx: _Context, model: str) -> None:
+    """The model family's pipeline classes, which every stage loads (and the tiny models' builders)."""
     if ctx.torch is None:
-        ctx.add("SD3 pipeline", False, "skipped: torch does not import", "fix torch first")
+        ctx.add("pipeline", False, "skipped: torch does not import", "fix torch first")
         return
     try:
+        from tpkit import models
         from tpkit.runtime import quiet_libraries
 
         quiet_libraries()  # as every stage does: no info notices from the libraries
-        from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline  # noqa: F401
-        from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel  # noqa: F401
+        cls = models.family(models.family_of(model)).MODEL.PIPELINE
+        import diffusers
+        import transformers  # noqa: F401
+
+        getattr(diffusers, cls)
     except Exception as e:
         fix = ("pip uninstall torchvision (a torchvision built for another torch breaks these imports)"
                if "torchvision" in str(e) else "pip install -U 'diffusers>=0.35' 'transformers>=4.45'")
-        ctx.add("SD3 pipeline", False, f"cannot import diffusers' StableDiffusion3Pipeline: {_first_line(e)}", fix)
+        ctx.add("pipeline", False, f"cannot import the model's diffusers pipeline: {_first_line(e)}", fix)
         return
-    ctx.sd3_imports_ok = True
-    ctx.add("SD3 pipeline", True, "StableDiffusion3Pipeline, SD3Transformer2DModel, CLIP and T5 encoders import",
-            level="info")
+    ctx.pipeline_imports_ok = True
+    ctx.add("pipeline", True, f"{cls} and its text encoders import", level="info")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,15 +485,15 @@ def estimate_round_bytes(recipe, cuda: bool) -> tuple[int, str] | None:
         return None
     prompts = min(ro.prompts_per_round, n) if ro.prompts_per_round else n
     trajectories = prompts * ro.group_size
-    kind = "tiny" if ro.model == TINY_MODEL else "sd3"
-    res = int(ro.resolution or (64 if kind == "tiny" else 512))
-    k = ro.window_size
-    latent = LATENT_CHANNELS * (res // 8) ** 2 * 4
+    from tpkit import models
+
+    sz = models.default(ro.model, "sizes", ro.family)  # the family's (SD3.5-Medium, FLUX.1-dev) or a tiny model's
+    res, k = int(ro.resolution), ro.window_size
+    latent = sz["latent_channels"] * (res // sz["vae_factor"]) ** 2 * 4
     per_traj = (2 * k + 2) * latent + res * res * 3 + 200 * (k + 1)  # + its score rows
-    dim, pooled = _EMBED_DIMS[kind]
     dtype_bytes = 4 if (ro.dtype in ("float32", "fp32") or (ro.dtype == "auto" and not cuda)) else 2
-    per_prompt = 2 * ((77 + ro.max_sequence_length) * dim + pooled) * dtype_bytes
-    train = tr.lora_rank * _LORA_BYTES_PER_RANK[kind] * (3 + (1 if tr.ema else 0))
+    per_prompt = sz["prompt_sets"] * ((sz["clip_tokens"] + ro.max_sequence_length) * sz["text_dim"] + sz["pooled_dim"]) * dtype_bytes
+    train = tr.lora_rank * sz["lora_bytes_per_rank"] * (3 + (1 if tr.ema else 0))
     total = trajectories * per_traj + prompts * per_prompt + train
     how = (f"{trajectories} trajectories x {_gib(per_traj)} + {prompts} prompts x {_gib(per_prompt)} embeddings"
            f" + {_gib(train)} adapter/optimizer")
@@ -551,26 +551,28 @@ def _download_fix(ctx: _Context, repo: str, alternative: str, files: str = "") -
 
 def _check_model(ctx: _Context, model: str, where: str) -> None:
     alternative = f"a local folder ({where})"
-    if model == TINY_MODEL:
+    if model in BUILTIN_MODELS:
         try:
-            from tpkit import runtime, sd3
+            from tpkit import models
 
-            home = runtime.tpkit_home()
-            path = home / "models" / f"{TINY_MODEL}-v{sd3._TINY_VERSION}"
+            path = models.family(models.family_of(model)).location(model)
         except Exception as e:
-            ctx.add("model", False, f"tiny-sd3: cannot import tpkit.sd3: {_first_line(e)}", "fix torch/diffusers first")
+            ctx.add("model", False, f"{model}: cannot import tpkit.models: {_first_line(e)}", "fix torch/diffusers first")
             return
         if (path / "model_index.json").is_file():
             missing = _pipeline_missing(path)
-            ctx.add("model", not missing, f"tiny-sd3, built at {path}" if not missing else
-                    f"tiny-sd3 at {path} is incomplete: {_short(missing)}",
-                    f"delete {path}; it is rebuilt on first use (nothing downloaded)")
+            ctx.add("model", not missing, f"{model} at {path}" if not missing else f"{model} at {path} is incomplete: "
+                    f"{_short(missing)}", f"delete {path}; it is rebuilt on first use (nothing downloaded)"
+                    if model != SHAPES_MODEL else "reinstall tpkit (its weights ship inside the package)")
+            return
+        if model == SHAPES_MODEL:
+            ctx.add("model", False, f"{model}: no weights at {path}", "reinstall tpkit (its weights ship inside the package)")
             return
         ok, why = _writable(path.parent)
-        buildable = ok and ctx.sd3_imports_ok
-        ctx.add("model", buildable, f"tiny-sd3: built on first use under {path.parent} (nothing downloaded)" if buildable
-                else f"tiny-sd3 cannot be built: {why if not ok else 'the SD3 classes do not import'}",
-                "set TPKIT_HOME to a writable folder" if not ok else "fix the SD3 pipeline check above")
+        buildable = ok and ctx.pipeline_imports_ok
+        ctx.add("model", buildable, f"{model}: built on first use under {path.parent} (nothing downloaded)" if buildable
+                else f"{model} cannot be built: {why if not ok else 'the pipeline classes do not import'}",
+                "set TPKIT_HOME to a writable folder" if not ok else "fix the pipeline check above")
         return
     kind, folder = _locate(model, ["model_index.json"])
     if kind == "bad":
@@ -579,7 +581,7 @@ def _check_model(ctx: _Context, model: str, where: str) -> None:
     if kind == "local":
         if not (folder / "model_index.json").is_file():
             ctx.add("model", False, f"{folder} has no model_index.json (not a diffusers pipeline folder)",
-                    "pass the folder saved by StableDiffusion3Pipeline.save_pretrained (or a hub id)")
+                    "pass a folder saved by the pipeline's save_pretrained (or a hub id)")
             return
         missing = _pipeline_missing(folder)
         ctx.add("model", not missing, f"{model} (local folder)" + (f" is incomplete: {_short(missing)}" if missing else ""),
@@ -864,10 +866,10 @@ def run(recipe: str | None = None, out: str | None = None, model: str | None = N
     the_model = model or (loaded.rollout.model if loaded is not None else None) or TINY_MODEL
 
     _guarded(ctx, "python", _check_python)
-    _guarded(ctx, "torch", _check_torch, mins, big_model=the_model != TINY_MODEL)
+    _guarded(ctx, "torch", _check_torch, mins, big_model=the_model not in BUILTIN_MODELS)
     _guarded(ctx, "packages", _check_packages, mins)
     _guarded(ctx, "torchvision", _check_torchvision)
-    _guarded(ctx, "SD3 pipeline", _check_sd3_imports)
+    _guarded(ctx, "pipeline", _check_pipeline_imports, the_model)
     if recipe_check is not None:
         ctx.checks.append(recipe_check)
         if loaded is not None:

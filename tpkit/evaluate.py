@@ -58,7 +58,7 @@ def generate(model, prompts: list[layout.Prompt], indices: list[int], cfg: EvalC
     from tpkit.rollout import derive_seed
     from tpkit.runtime import png_bytes
 
-    sigmas = model.sigmas(cfg.steps)
+    sigmas = model.sigmas(cfg.steps, cfg.resolution)
     shape = model.latent_shape(cfg.resolution)
     jobs = [(i, j) for i in indices for j in range(cfg.images_per_prompt)]
     for b in range(0, len(jobs), cfg.batch_size):
@@ -153,7 +153,7 @@ def identity(cfg: EvalConfig) -> dict:
 
 
 def _run(cfg: EvalConfig, ident: dict, prompts: list[layout.Prompt], folders: list[Path], scorer: Callable) -> dict | None:
-    from tpkit import runtime, sd3
+    from tpkit import models, runtime
     from tpkit.ui import track
 
     out = Path(cfg.out)
@@ -170,8 +170,8 @@ def _run(cfg: EvalConfig, ident: dict, prompts: list[layout.Prompt], folders: li
     # 3. Generate the missing images (unless scoring an existing folder).
     if mine and not cfg.images:
         with phases("load"):
-            model = sd3.load(cfg.model, cfg.device, cfg.dtype, text_encoders=True, lora=cfg.lora, reuse=True,
-                             fuse_lora=True)
+            model = models.load(cfg.model, cfg.family, device=cfg.device, dtype=cfg.dtype, text_encoders=True,
+                                lora=cfg.lora, reuse=True, fuse_lora=True)
         for i in mine:
             _write_metadata(prompt_dir(out, i), prompts[i].metadata)
         with track(len(mine), f"eval: generate ({cfg.images_per_prompt} images per prompt)") as advance:

@@ -35,7 +35,6 @@ ROUNDS_FILE = "rounds.jsonl"
 # Shard members: prompt samples carry PROMPT_JSON + EMBEDS, trajectory samples TRAJ_JSON + TENSORS + FINAL_PNG.
 PROMPT_JSON, EMBEDS = "prompt.json", "embeds.safetensors"
 TRAJ_JSON, TENSORS, FINAL_PNG = "meta.json", "latents.safetensors", "final.png"
-EMBED_KEYS = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
 TENSOR_KEYS = ("states", "velocities", "log_probs", "final_latent")
 INDEX_KEY = "_index"  # last member of every shard: the prompt and trajectory ids it holds
 
@@ -433,7 +432,7 @@ class PromptRecord:
     prompt_id: str
     prompt: str
     metadata: dict
-    embeds: dict = field(repr=False)  # EMBED_KEYS -> tensors (batch dim 1), in the transformer's dtype
+    embeds: dict = field(repr=False)  # the model family's encodings (Model.encode) -> tensors (batch dim 1)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 
 from tpkit import formulas, layout
 from tpkit.config import RolloutConfig, to_dict
-from tpkit.layout import EMBED_KEYS, Prompt, PromptRecord, ShardWriter, TrajectoryRecord
+from tpkit.layout import Prompt, PromptRecord, ShardWriter, TrajectoryRecord
 from tpkit.runtime import png_bytes
 from tpkit.timing import Phases
 
@@ -95,7 +95,7 @@ def trajectory_meta(cfg: RolloutConfig, prompt: Prompt, member: int, seed: int, 
         "rollout_batch": batch, "batch_slot": slot,
         "trajectory_id": f"{prompt.prompt_id}-m{member:03d}", "prompt_id": prompt.prompt_id, "prompt": prompt.prompt,
         "prompt_metadata": prompt.metadata, "member": member, "seed": seed, "base_seed": cfg.seed,
-        "model": cfg.model, "lora": cfg.lora, "sampler": cfg.sampler, "noise_level": cfg.noise_level,
+        "model": cfg.model, "family": cfg.family, "lora": cfg.lora, "sampler": cfg.sampler, "noise_level": cfg.noise_level,
         "guidance": cfg.guidance, "steps": cfg.steps, "window_start": start, "window_size": cfg.window_size,
         "sigmas": sigmas, "resolution": cfg.resolution, "schema_version": layout.SCHEMA_VERSION,
     }
@@ -109,14 +109,14 @@ def write_shard(model, cfg: RolloutConfig, prompts: list[Prompt], sigmas: list[f
         emb = model.encode([p.prompt for p in prompts], cfg.max_sequence_length)
     writer = ShardWriter()
     for i, p in enumerate(prompts):
-        writer.add_prompt(PromptRecord(p.prompt_id, p.prompt, p.metadata, {k: emb[k][i: i + 1] for k in EMBED_KEYS}))
+        writer.add_prompt(PromptRecord(p.prompt_id, p.prompt, p.metadata, {k: e[i: i + 1] for k, e in emb.items()}))
     jobs = [(i, p, m) for i, p in enumerate(prompts) for m in range(cfg.group_size)]
     for b in range(0, len(jobs), cfg.batch_size):
         batch = jobs[b: b + cfg.batch_size]
         seeds = [derive_seed(cfg.seed, p.prompt_id, m) for _, p, m in batch]
         idx = torch.tensor([i for i, _, _ in batch], device=emb["prompt_embeds"].device)
         with phases("sample"):
-            out = sample(model, cfg, sigmas, start, {k: emb[k][idx] for k in EMBED_KEYS}, seeds)
+            out = sample(model, cfg, sigmas, start, {k: e[idx] for k, e in emb.items()}, seeds)
         with phases("decode"):
             images = model.decode(out.final)
         with phases("write"):  # PNG encoding and the shard's bytes
@@ -146,7 +146,7 @@ def run(cfg: RolloutConfig) -> dict | None:
 
 
 def _run(cfg: RolloutConfig, ident: dict, prompts: list[Prompt]) -> dict | None:
-    from tpkit import sd3
+    from tpkit import models
     from tpkit.ui import track
 
     # 1. Plan the work: shards of whole prompt groups, this rank's share.
@@ -161,8 +161,9 @@ def _run(cfg: RolloutConfig, ident: dict, prompts: list[Prompt]) -> dict | None:
 
     # 2. Load the model with its text encoders (and the policy's LoRA, from the previous round).
     if todo:
-        model = sd3.load(cfg.model, cfg.device, cfg.dtype, text_encoders=True, lora=cfg.lora, reuse=True)
-        sigmas = model.sigmas(cfg.steps)
+        model = models.load(cfg.model, cfg.family, device=cfg.device, dtype=cfg.dtype, text_encoders=True, lora=cfg.lora,
+                            reuse=True)
+        sigmas = model.sigmas(cfg.steps, cfg.resolution)
 
         # 3. Sample and write each shard (atomically: a crash leaves whole shards only).
         with track(sum(len(shards[i]) for i in todo) * cfg.group_size, "rollout") as advance:
@@ -192,7 +193,7 @@ def identity(cfg: RolloutConfig) -> dict:
     """What a rollout folder holds (its `id` is the rollout_id that later stages carry forward, so
     train can refuse another rollout's advantages): the settings, the prompts' and the policy
     LoRA's contents, not where they are, where the output goes or how many processes write it."""
-    return layout.stage_identity("rollout", to_dict(cfg), leave_out=("prompts", "lora"), inputs={
+    return layout.stage_identity("rollout", to_dict(cfg), leave_out=("prompts", "lora", "family"), inputs={
         "prompts_sha256": layout.file_digest(Path(cfg.prompts)) if Path(cfg.prompts).is_file() else None,
         "lora_sha256": layout.tree_digest(cfg.lora, "--lora")})
 

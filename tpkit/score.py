@@ -23,14 +23,14 @@ import torch
 from tpkit import formulas, layout
 from tpkit.config import ScoreConfig, to_dict
 from tpkit.errors import InputError, RewardError
-from tpkit.layout import EMBED_KEYS, PromptRecord, TrajectoryRecord
+from tpkit.layout import PromptRecord, TrajectoryRecord
 from tpkit.rewards import Reward, load_rewards, score_images
 from tpkit.timing import Phases
 
 # Seconds per phase in every score file's stats (reward_wait: the stage waiting for the reward thread).
 PHASES = ("read", "transformer", "decode", "reward_wait", "write")
 # Settings every trajectory of a rollout must share (they define what "step k" means).
-SHARED_SETTINGS = ("model", "lora", "sampler", "noise_level", "guidance", "steps", "window_start", "window_size",
+SHARED_SETTINGS = ("model", "family", "lora", "sampler", "noise_level", "guidance", "steps", "window_start", "window_size",
                    "resolution", "sigmas")
 
 
@@ -123,7 +123,7 @@ class BranchScorer:
         meta = trajs[0].meta
         sigmas, a, K, w = meta["sigmas"], meta["window_start"], meta["window_size"], meta["guidance"]
         pids = sorted(prompts)
-        emb = {k: torch.cat([prompts[p].embeds[k] for p in pids]).to(model.device) for k in EMBED_KEYS}
+        emb = {k: torch.cat([prompts[p].embeds[k] for p in pids]).to(model.device) for k in prompts[pids[0]].embeds}
         prompt_row = torch.tensor([pids.index(t.meta["prompt_id"]) for t in trajs])
 
         # First step of branch k reuses v(s_k) from the rollout: no transformer call. Its schedule is
@@ -237,9 +237,8 @@ def identity(cfg: ScoreConfig, rollout: dict) -> dict:
 
 
 def _run(cfg: ScoreConfig, rewards: list[Reward], rollout: dict, shards: list[Path], ident: dict) -> dict | None:
-    import pyarrow as pa
 
-    from tpkit import sd3
+    from tpkit import models
     from tpkit.ui import track
 
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
@@ -255,8 +254,8 @@ def _run(cfg: ScoreConfig, rewards: list[Reward], rollout: dict, shards: list[Pa
         rc = rollout["config"]
         model = None
         if cfg.branches == "all":
-            model = sd3.load(rc["model"], cfg.device, cfg.dtype, text_encoders=False, lora=rc["lora"], reuse=True,
-                             fuse_lora=True)
+            model = models.load(rc["model"], models.recorded(rc), device=cfg.device, dtype=cfg.dtype, text_encoders=False,
+                                lora=rc["lora"], reuse=True, fuse_lora=True)
         scorer = BranchScorer(model, rewards, cfg)
         reference = None
         per_traj = rc["window_size"] if cfg.branches == "all" else 0

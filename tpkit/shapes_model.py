@@ -1,7 +1,7 @@
 """`tiny-shapes`: a laptop-sized SD3 pretrained with flow matching on `tpkit.shapes` scenes.
 
 The model is an ordinary diffusers `StableDiffusion3Pipeline`, saved with `save_pretrained` inside
-the package (`tpkit/models/tiny-shapes/`) and loaded by `tpkit.sd3.load("tiny-shapes")` through
+the package (`tpkit/models/tiny-shapes/`) and loaded by `tpkit.models.load("tiny-shapes")` through
 `from_pretrained` like any other model:
 
 * VAE (`AutoencoderKL`): 64 px RGB -> 4 x 16 x 16 latents (downsamples 4x: small shapes keep their
@@ -48,12 +48,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tpkit.config import MODEL_DEFAULTS, SHAPES_MODEL
+from tpkit.models.sd3 import BUILTIN, SHAPES
 
-NAME = SHAPES_MODEL
-RESOLUTION = MODEL_DEFAULTS[NAME]["resolution"]  # pixels
-GUIDANCE = MODEL_DEFAULTS[NAME]["guidance"]  # CFG scale to sample with
-TEXT_LENGTH = MODEL_DEFAULTS[NAME]["text_length"]  # T5 tokens = the max_sequence_length to sample with (the longest prompt: 10 words + 2 specials)
+NAME = SHAPES
+RESOLUTION = BUILTIN[NAME]["resolution"]  # pixels
+GUIDANCE = BUILTIN[NAME]["guidance"]  # CFG scale to sample with
+TEXT_LENGTH = BUILTIN[NAME]["text_length"]  # T5 tokens = the max_sequence_length to sample with (the longest prompt: 10 words + 2 specials)
 CLIP_LENGTH = 12  # CLIP tokens (the tokenizer's model_max_length)
 SHIFT = 1.0  # FlowMatchEulerDiscreteScheduler shift, for sampling and training sigmas: SD3 trained its 32x32-latent
 # (256 px) stage unshifted and shifts by 3 only at 128x128; these latents are 16x16
@@ -560,11 +560,11 @@ def accuracy(model: str, metadata: list[dict], images_per_prompt: int = 4, steps
     on train-split prompts while pretraining; the held-out number comes from `tpkit eval geneval`."""
     from PIL import Image
 
-    from tpkit import formulas, geneval, sd3
+    from tpkit import formulas, geneval, models
 
-    m = sd3.load(model, device="cpu")
+    m = models.load(model, device="cpu")
     detector, colours = geneval.load_models("shapes")
-    sigmas = m.sigmas(steps)
+    sigmas = m.sigmas(steps, RESOLUTION)
     jobs = [(meta, j) for meta in metadata for j in range(images_per_prompt)]
     right: dict[str, list[bool]] = {}
     for b in range(0, len(jobs), batch_size):
@@ -589,10 +589,10 @@ def sample_grid(model: str, prompts: list[str], seeds: list[int], path: Path, st
     """A captioned PNG: one row per prompt, one column per seed (the eval sampler: ODE, CFG)."""
     from PIL import Image, ImageDraw, ImageFont
 
-    from tpkit import formulas, sd3
+    from tpkit import formulas, models
 
-    m = sd3.load(model, device="cpu")
-    sigmas = m.sigmas(steps)
+    m = models.load(model, device="cpu")
+    sigmas = m.sigmas(steps, RESOLUTION)
     emb = m.encode([p for p in prompts for _ in seeds], TEXT_LENGTH)
     x = torch.stack([torch.randn(m.latent_shape(RESOLUTION), generator=torch.Generator().manual_seed(s))
                      for _ in prompts for s in seeds])

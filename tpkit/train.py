@@ -30,10 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tpkit import formulas, layout, tracking
-from tpkit.config import TrainConfig, to_dict
+from tpkit import formulas, layout, models, tracking
+from tpkit.config import TrainConfig, lora_targets, to_dict
 from tpkit.errors import InputError, TpkitError
-from tpkit.layout import EMBED_KEYS
 from tpkit.timing import Phases
 
 ADAPTER, ADAPTER_RAW, STATE, CHECKPOINT = "adapter", "adapter-raw", "state", "checkpoint"
@@ -228,6 +227,7 @@ def run(cfg: TrainConfig) -> dict:
     cfg.validate()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     rollout = layout.read_manifest(Path(cfg.rollout), "rollout")
+    cfg.lora_targets = lora_targets(cfg.lora_targets, models.recorded(rollout["config"]))  # the family's default, or checked
     adv_files = layout.parquet_files(Path(cfg.advantages), "advantages")
     check_init_lora(cfg)
     tracking.check_kind(cfg.log_with)
@@ -243,7 +243,8 @@ def run(cfg: TrainConfig) -> dict:
 def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict) -> dict:
     from accelerate import Accelerator
 
-    from tpkit import runtime, sd3
+    from tpkit import runtime
+    from tpkit.models import base as model_base
     from tpkit.ui import track
 
     # 1. Check inputs: the rollout, its advantages, and the state to continue from.
@@ -267,11 +268,12 @@ def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict
 
     # 2. Model: transformer only, frozen, with a trainable float32 LoRA (continuing the previous round's).
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=on_cpu)
-    sd3.release()  # an inference pipeline kept by rollout/score would only take memory now
+    model_base.release()  # an inference pipeline kept by rollout/score would only take memory now
     with phases("load"):
-        model = sd3.load(rollout["config"]["model"], str(accelerator.device), cfg.dtype, text_encoders=False, vae=False)
+        model = models.load(rollout["config"]["model"], models.recorded(rollout["config"]), device=str(accelerator.device),
+                            dtype=cfg.dtype, text_encoders=False, vae=False)
         torch.manual_seed(cfg.seed)  # the LoRA init must not depend on what ran before in this process
-        lora_config = sd3.add_trainable_lora(model.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets,
+        lora_config = model_base.add_trainable_lora(model.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets,
                                              init_lora)
     if cfg.gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
@@ -291,7 +293,7 @@ def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict
         global_step, round_start = resume["global_step"], resume["round_start"]
     transformer, optimizer = accelerator.prepare(model.transformer, optimizer)
     device = accelerator.device
-    embeds = {pid: {k: e[k].to(device) for k in EMBED_KEYS} for pid, e in embeds.items()}
+    embeds = {pid: {k: v.to(device) for k, v in e.items()} for pid, e in embeds.items()}
     settings = dict(sampler=meta["sampler"], noise_level=meta["noise_level"], sigma_1=meta["sigmas"][1],
                     guidance=meta["guidance"])
 
@@ -354,7 +356,7 @@ def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict
                          "lower --learning-rate, check the rewards and advantages (`tpkit inspect`), "
                          "or pass --allow-no-op to accept such a round")
 
-    if not all(bool(torch.isfinite(v).all()) for v in sd3.lora_state(accelerator.unwrap_model(transformer)).values()):
+    if not all(bool(torch.isfinite(v).all()) for v in model_base.lora_state(accelerator.unwrap_model(transformer)).values()):
         raise TrainError("the trained LoRA holds NaN or infinite weights", "lower --learning-rate (nothing was saved)")
 
     # 5. Save (main process): adapter, EMA adapter, optimizer/EMA state, metrics, then the manifest.
@@ -364,10 +366,10 @@ def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict
         with phases("save"):
             unwrapped = accelerator.unwrap_model(transformer)
             if ema is not None:  # users and evaluations load adapter/; the next round continues adapter-raw/
-                sd3.save_lora(unwrapped, lora_config, out / ADAPTER_RAW)
-                sd3.save_lora(ema, lora_config, out / ADAPTER)
+                model.save_lora(unwrapped, lora_config, out / ADAPTER_RAW)
+                model.save_lora(ema, lora_config, out / ADAPTER)
             else:
-                sd3.save_lora(unwrapped, lora_config, out / ADAPTER)
+                model.save_lora(unwrapped, lora_config, out / ADAPTER)
             _save_state(out / STATE, optimizer, ema, global_step)
             layout.atomic_write(out / layout.METRICS_FILE, "".join(json.dumps(m) + "\n" for m in metrics).encode())
         transitions = sum(len(b.prompt_ids) for s in computed for b in s)
@@ -398,7 +400,7 @@ def _micro_batch_loss(model, transformer, b: MicroBatch, embeds, settings, cfg: 
     """Weighted sum over the micro-batch of the per-sample GRPO loss, and metric sums (float64 [9])."""
     device = accelerator.device
     with phases("forward"):
-        emb = {k: torch.cat([embeds[p][k] for p in b.prompt_ids]) for k in EMBED_KEYS}
+        emb = {k: torch.cat([embeds[p][k] for p in b.prompt_ids]) for k in embeds[b.prompt_ids[0]]}
         x, x_next = b.x.to(device), b.x_next.to(device)
         sigma, sigma_next = b.sigma.to(device), b.sigma_next.to(device)
         with accelerator.autocast():
@@ -411,13 +413,9 @@ def _micro_batch_loss(model, transformer, b: MicroBatch, embeds, settings, cfg: 
     kl = torch.zeros_like(policy)
     if cfg.beta > 0:
         with phases("reference"):
-            base = accelerator.unwrap_model(transformer)
-            base.disable_adapters()  # the reference policy is the base model: no second copy in memory
-            try:
-                with torch.no_grad(), accelerator.autocast():
-                    v_ref = model.velocity(x, sigma, emb, settings["guidance"], transformer=base)
-            finally:
-                base.enable_adapters()
+            # the reference policy is the base model: its adapters off, no second copy in memory
+            with model.reference(accelerator.unwrap_model(transformer)) as base, torch.no_grad(), accelerator.autocast():
+                v_ref = model.velocity(x, sigma, emb, settings["guidance"], transformer=base)
             ref = formulas.stochastic_step(settings["sampler"], x, v_ref, sigma, sigma_next, settings["noise_level"],
                                            settings["sigma_1"], sample=x_next)
             kl = formulas.kl_to_reference(step.mean, ref.mean, step.noise_scale if cfg.kl == "release" else step.std)
@@ -447,12 +445,12 @@ def _metrics_line(step: int, sums: torch.Tensor, n: int, grad_norm: float, cfg: 
 def _load_ema(state_in: Path | None, transformer) -> dict:
     from safetensors.torch import load_file
 
-    from tpkit import sd3
+    from tpkit.models.base import lora_state
 
     path = state_in / "ema.safetensors" if state_in else None
     if path and path.is_file():
         return load_file(path)
-    return {k: v.detach().float().clone() for k, v in sd3.lora_state(transformer).items()}
+    return {k: v.detach().float().clone() for k, v in lora_state(transformer).items()}
 
 
 def ema_decay(decay: float, step: int) -> float:
@@ -463,9 +461,9 @@ def ema_decay(decay: float, step: int) -> float:
 
 @torch.no_grad()
 def _update_ema(ema: dict, transformer, decay: float) -> None:
-    from tpkit import sd3
+    from tpkit.models.base import lora_state
 
-    for k, v in sd3.lora_state(transformer).items():
+    for k, v in lora_state(transformer).items():
         ema[k].mul_(decay).add_(v.detach().float().cpu(), alpha=1 - decay)
 
 
@@ -490,11 +488,11 @@ def _write_checkpoint(folder: Path, transformer, optimizer, ema: dict | None, pr
     """LoRA weights, optimizer, EMA and progress, swapped in as a whole folder (never half-written)."""
     from safetensors.torch import save
 
-    from tpkit import sd3
+    from tpkit.models.base import lora_state
 
     tmp = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    state = {k: v.detach().float().cpu().contiguous() for k, v in sd3.lora_state(transformer).items()}
+    state = {k: v.detach().float().cpu().contiguous() for k, v in lora_state(transformer).items()}
     layout.atomic_write(tmp / "lora.safetensors", save(state))
     _save_state(tmp, optimizer, ema, progress["global_step"])
     layout.atomic_write_json(tmp / "progress.json", progress)

@@ -1,0 +1,187 @@
+"""The Stable Diffusion 3 / 3.5 family (SD3.5-Medium and -Large, the built-in tiny-sd3 and tiny-shapes).
+
+Prompt encodings: CLIP-L + CLIP-G + T5 for the prompt and for the empty negative prompt;
+velocity: classifier-free guidance, one doubled batch (two transformer forwards a sample).
+The tiny model is built from constructor arguments (fixed seed, nothing downloaded) and saved
+under $TPKIT_HOME; tiny-shapes ships inside the package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tpkit.config import SHAPES_MODEL, TINY_MODEL
+from tpkit.errors import ModelError
+from tpkit.models import base
+from tpkit.models.base import Model, tiny_tokenizer
+from tpkit.runtime import quiet_libraries
+
+NAME = "sd3"
+TINY, SHAPES = TINY_MODEL, SHAPES_MODEL
+_TINY_VERSION = 2  # bump when the tiny architecture changes, so old caches are not reused
+TINY_RESOLUTION = 64
+
+# The release's LoRA targets: the eight projections of every block's joint attention. Qualified with
+# `attn.` so that on SD3.5-Medium they do not also match the second attention (`attn2`) of its 13
+# dual-attention (MMDiT-X) blocks: 191 adapted layers, as in the published runs, not 243.
+LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                "attn.add_v_proj", "attn.to_add_out")
+# Opt-in: the second (image-only) attention of SD3.5's dual-attention blocks.
+LORA_TARGETS_ATTN2 = ("attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
+
+# Defaults of SD3.5 (hub ids and folders). Text length = T5 tokens per prompt (`max_sequence_length`):
+# 128 as the authors' release encodes prompts in training and evaluation. Guidance: the CFG scale of
+# rollouts and evaluation, 4.5 as the release samples SD3.5. `sizes`: SD3.5-Medium's, for doctor's
+# memory estimates (transformer parameters, latent channels, VAE factor, text widths).
+DEFAULTS = {"resolution": 512, "text_length": 128, "guidance": 4.5, "lora_targets": LORA_TARGETS,
+            "lora_targets_optional": LORA_TARGETS_ATTN2,
+            # what one prompt's stored encodings and one LoRA rank cost (doctor's disk estimate): 2 sets (the prompt
+            # and the empty negative) of 77 CLIP + T5 tokens x 4096 and a 2048 pooled vector; ~191 adapted
+            # 1536x1536 linears of SD3.5-Medium in float32
+            "sizes": {"latent_channels": 16, "vae_factor": 8, "prompt_sets": 2, "clip_tokens": 77, "text_dim": 4096,
+                      "pooled_dim": 2048, "lora_bytes_per_rank": 3_000_000}}
+_TINY_SIZES = {**DEFAULTS["sizes"], "text_dim": 64, "pooled_dim": 64, "lora_bytes_per_rank": 20_000}
+BUILTIN = {TINY: {"resolution": 64, "text_length": 128, "sizes": _TINY_SIZES},
+           # trained with 12 T5 tokens; guidance chosen on train-split prompts after pretraining (README)
+           SHAPES: {"resolution": 64, "text_length": 12, "guidance": 2.0,
+                    "sizes": {**_TINY_SIZES, "vae_factor": 4, "latent_channels": 4, "clip_tokens": 12}}}
+
+# --------------------------------------------------------------------------------------------
+# Built-in tiny model
+# --------------------------------------------------------------------------------------------
+
+
+def build_tiny_sd3(path: Path) -> None:
+    """A complete, deterministic, randomly initialised StableDiffusion3Pipeline (about 3 MB).
+
+    Same structure as SD3.5-Medium in miniature: a 2-block MMDiT with RMS q/k norm, a VAE that
+    downsamples 8x with 16 latent channels (64 px -> 8x8 latent), two CLIP text encoders with
+    projection and a T5 encoder. The VAE normalises over all channels at once (one group), so
+    that shifts of the latent reach the image: with per-group norms a random decoder maps
+    almost every latent to the same texture and no reward can be learned on CPU.
+    """
+    quiet_libraries()
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(
+        sample_size=TINY_RESOLUTION // 8, patch_size=2, in_channels=16, out_channels=16, num_layers=2,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=32,
+        pooled_projection_dim=64, pos_embed_max_size=32, qk_norm="rms_norm",
+    )
+    torch.manual_seed(1)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=16, sample_size=TINY_RESOLUTION,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(16, 16, 16, 16), layers_per_block=1, norm_num_groups=1,
+        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5305, shift_factor=0.0609,
+    )
+    clip_cfg = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, projection_dim=32, max_position_embeddings=77,
+                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(2)
+    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
+    torch.manual_seed(3)
+    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
+    torch.manual_seed(4)
+    text_encoder_3 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=64, d_ff=64, d_kv=16, num_layers=1,
+                                             num_heads=4, decoder_start_token_id=0, pad_token_id=tok.pad_token_id))
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=text_encoder, tokenizer=tok, text_encoder_2=text_encoder_2, tokenizer_2=tok,
+        text_encoder_3=text_encoder_3, tokenizer_3=tok,
+    )
+    pipe.save_pretrained(path)
+
+
+def location(model: str) -> Path | None:
+    """Where a built-in model lives (tiny-shapes: inside the package; tiny-sd3: built on first use); None otherwise."""
+    if model == SHAPES:
+        from tpkit.shapes_model import weights_dir
+
+        return weights_dir()
+    return base.built_path(TINY, _TINY_VERSION) if model == TINY else None
+
+
+def resolve(model: str) -> str:
+    """A built-in name -> its folder (tiny-sd3 built on first use); anything else as given."""
+    if model == TINY:
+        return base.built(location(model), build_tiny_sd3)
+    return str(location(model) or model)
+
+# --------------------------------------------------------------------------------------------
+# The loaded model
+# --------------------------------------------------------------------------------------------
+
+
+class SD3(Model):
+    FAMILY = NAME
+    PIPELINE = "StableDiffusion3Pipeline"
+    TEXT_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
+
+    def channels(self) -> int:
+        return self.transformer.config.in_channels
+
+    def forwards(self, guidance: float) -> int:
+        return 2 if guidance > 1.0 else 1
+
+    # ---- schedule -----------------------------------------------------------------------
+    def sigmas(self, steps: int, resolution: int) -> list[float]:
+        """The FlowMatchEuler scheduler's sigmas with its static shift (3.0 for SD3.5), any size."""
+        sched = self.pipe.scheduler
+        sched.set_timesteps(steps, device="cpu")
+        return [float(s) for s in sched.sigmas]
+
+    # ---- text ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, prompts: list[str], text_length: int) -> dict[str, torch.Tensor]:
+        """Prompt and empty-negative embeddings, in the transformer's dtype, batch = len(prompts):
+        prompt_embeds [B, 77 + L, 4096], pooled_prompt_embeds [B, 2048] and their negative_ twins
+        (SD3.5-Medium's widths; L = text_length T5 tokens)."""
+        if self.pipe.text_encoder is None:
+            raise ModelError("this stage loaded the model without text encoders", "internal: load with text_encoders=True")
+        pe, npe, pooled, npooled = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=1,
+            do_classifier_free_guidance=True, negative_prompt=[""] * len(prompts), max_sequence_length=text_length,
+        )
+        out = dict(prompt_embeds=pe, pooled_prompt_embeds=pooled, negative_prompt_embeds=npe,
+                   negative_pooled_prompt_embeds=npooled)
+        return {k: v.to(self.dtype) for k, v in out.items()}
+
+    # ---- velocity -----------------------------------------------------------------------
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, embeds: dict[str, torch.Tensor], guidance: float,
+                 transformer=None) -> torch.Tensor:
+        """v = v_uncond + w (v_text - v_uncond), float32 [B, C, h, w] (see `Model.velocity`).
+
+        CFG runs as one doubled batch (w <= 1: the text branch alone); the transformer's timestep
+        input is 1000 sigma."""
+        transformer = transformer or self.transformer
+        x = x.to(self.device)
+        sigma = sigma.to(self.device, torch.float32)
+        if guidance > 1.0:
+            hidden = torch.cat([x, x])
+            enc = torch.cat([embeds["negative_prompt_embeds"], embeds["prompt_embeds"]])
+            pooled = torch.cat([embeds["negative_pooled_prompt_embeds"], embeds["pooled_prompt_embeds"]])
+            t = torch.cat([sigma, sigma])
+        else:
+            hidden, enc, pooled, t = x, embeds["prompt_embeds"], embeds["pooled_prompt_embeds"], sigma
+        out = transformer(
+            hidden_states=hidden.to(self.dtype), timestep=t * 1000.0, encoder_hidden_states=enc.to(self.device, self.dtype),
+            pooled_projections=pooled.to(self.device, self.dtype), return_dict=False,
+        )[0].float()
+        if guidance > 1.0:
+            v_uncond, v_text = out.chunk(2)
+            return v_uncond + guidance * (v_text - v_uncond)
+        return out
+
+
+MODEL = SD3
+
+
+def load(model: str, **kwargs) -> SD3:
+    """`base.load` for this family (by hub id, local folder, tiny-sd3 or tiny-shapes)."""
+    return base.load(SD3, model, resolve(model), **kwargs)
