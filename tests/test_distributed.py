@@ -10,7 +10,8 @@
   ranks wrote shards and train ran DDP over both (on a machine without GPUs accelerate's multi-GPU
   launcher is torchrun, and the processes join a gloo group on the CPU).
 
-Everything runs in subprocesses on tiny-sd3 (4 prompts x 2 members, T = 6, K = 5, window start 0,
+Every stage comparison runs on both model families (tiny-sd3, tiny-flux); the accelerate run on
+tiny-sd3. Everything runs in subprocesses (4 prompts x 2 members, T = 6, K = 5, window start 0,
 so the window never reaches the deterministic last step), one thread each, no GPU. About a minute
 on 2 cores; the processes of one comparison run side by side where they can.
 """
@@ -115,11 +116,23 @@ def work(tmp_path_factory, tpkit_home) -> Path:
     return d
 
 
+@pytest.fixture(scope="module", params=["tiny-sd3", "tiny-flux"])
+def chain(request, tmp_path_factory, tpkit_home) -> tuple[Path, str]:
+    """A folder for one model family's 1-rank vs 2-rank comparisons (every stage runs on both families)."""
+    from tpkit import models
+
+    models.family(models.family_of(request.param)).resolve(request.param)  # built once; subprocesses share $TPKIT_HOME
+    d = tmp_path_factory.mktemp(f"distributed-{request.param}")
+    (d / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    return d, request.param
+
+
 @pytest.fixture(scope="module")
-def rollouts(work) -> dict:
+def rollouts(chain) -> dict:
     """One rank (run alongside rank 0 of the 2-rank rollout), then rank 1 after rank 0 finished."""
+    work, model = chain
     one, two = work / "rollout-1", work / "rollout-2"
-    common = ["--prompts", work / "prompts.txt", *ROLLOUT_ARGS]
+    common = ["--prompts", work / "prompts.txt", "--model", model, *ROLLOUT_ARGS]
     run_all(tpkit("rollout", *common, "--out", one),
             tpkit("rollout", *common, "--out", two, "--rank", 0, "--world-size", 2))
     after_rank0 = sorted(p.name for p in two.iterdir() if not p.name.startswith(".lock-"))
@@ -128,8 +141,9 @@ def rollouts(work) -> dict:
 
 
 @pytest.fixture(scope="module")
-def scores(work, rollouts) -> dict:
+def scores(chain, rollouts) -> dict:
     """Score the 1-rank rollout with one process and with two ranks, all side by side."""
+    work = chain[0]
     one, two = work / "score-1", work / "score-2"
     src = rollouts["one"]
     common = [src, "--reward", "brightness"]
@@ -140,15 +154,17 @@ def scores(work, rollouts) -> dict:
 
 
 @pytest.fixture(scope="module")
-def advantage_dirs(work, scores) -> dict:
+def advantage_dirs(chain, scores) -> dict:
+    work = chain[0]
     run_all(tpkit("advantages", scores["one"], "--out", work / "adv-1"),
             tpkit("advantages", scores["two"], "--out", work / "adv-2"))
     return {"one": work / "adv-1", "two": work / "adv-2"}
 
 
 @pytest.fixture(scope="module")
-def trains(work, rollouts, advantage_dirs) -> dict:
+def trains(chain, rollouts, advantage_dirs) -> dict:
     """The same training, one process and DDP over 2 (torchrun, gloo), side by side."""
+    work = chain[0]
     one, two = work / "train-1", work / "train-2"
     common = ["--rollout", rollouts["one"], "--advantages", advantage_dirs["one"], *TRAIN_ARGS]
     run_all(tpkit("train", *common, "--out", one), torchrun("train", *common, "--out", two))

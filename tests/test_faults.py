@@ -97,8 +97,8 @@ def env(**extra: str) -> dict:
     return e
 
 
-def rollout_argv(prompts: Path, out: Path) -> list:
-    return ["rollout", "--prompts", prompts, "--out", out, *SMALL]
+def rollout_argv(prompts: Path, out: Path, model: str = "tiny-sd3") -> list:
+    return ["rollout", "--prompts", prompts, "--out", out, "--model", model, *SMALL]
 
 
 def score_argv(rollout: Path, out: Path, *extra) -> list:
@@ -262,17 +262,35 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def clean(tmp_path_factory, tpkit_home) -> Path:
+def clean_run(base: Path, model: str) -> Path:
     """rollout -> score -> advantages -> train (3 optimizer steps) of 3 prompts x 2 members."""
-    base = tmp_path_factory.mktemp("faults-clean")
     prompts = base / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    assert cli(*rollout_argv(prompts, base / "rollout")) == 0
+    assert cli(*rollout_argv(prompts, base / "rollout", model)) == 0
     assert cli(*score_argv(base / "rollout", base / "score")) == 0
     assert cli("advantages", base / "score", "--out", base / "advantages") == 0
     assert cli(*train_argv(base, base / "train")) == 0
     return base
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory, tpkit_home) -> Path:
+    return clean_run(tmp_path_factory.mktemp("faults-clean"), "tiny-sd3")
+
+
+@pytest.fixture(scope="module")
+def clean_flux(tmp_path_factory, tpkit_home) -> Path:
+    return clean_run(tmp_path_factory.mktemp("faults-clean-flux"), "tiny-flux")
+
+
+@pytest.fixture
+def reference(request) -> Path:
+    """The clean run of the test's model family (each kill test runs on SD3 at every point, on FLUX at one)."""
+    return request.getfixturevalue("clean_flux" if request.node.callspec.params.get("model") == "tiny-flux" else "clean")
+
+
+def on_both(points: list[str], flux_point: str) -> list:
+    return [pytest.param("tiny-sd3", p, id=p) for p in points] + [pytest.param("tiny-flux", flux_point, id=f"flux-{flux_point}")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,10 +305,11 @@ ROLLOUT_KILLS = [
 ]
 
 
-@pytest.mark.parametrize("point", ROLLOUT_KILLS)
-def test_rollout_sigkill_then_rerun_gives_the_clean_shards(clean, tmp_path, point):
+@pytest.mark.parametrize("model, point", on_both(ROLLOUT_KILLS, "inside-shard-write"))
+def test_rollout_sigkill_then_rerun_gives_the_clean_shards(reference, tmp_path, model, point):
+    clean = reference
     out = tmp_path / "rollout"
-    argv = rollout_argv(clean / "prompts.txt", out)
+    argv = rollout_argv(clean / "prompts.txt", out, model)
     log = tmp_path / "killed.log"
     if point in ("random", "after-first-shard"):
         need = 2 if point == "random" else 1
@@ -326,8 +345,9 @@ def test_rollout_sigkill_then_rerun_gives_the_clean_shards(clean, tmp_path, poin
     assert_same_rollout(out, clean / "rollout")
 
 
-@pytest.mark.parametrize("point", ["random-shard", "before-shard-stats"])
-def test_score_sigkill_then_rerun_gives_the_clean_tables(clean, tmp_path, point):
+@pytest.mark.parametrize("model, point", on_both(["random-shard", "before-shard-stats"], "random-shard"))
+def test_score_sigkill_then_rerun_gives_the_clean_tables(reference, tmp_path, model, point):
+    clean = reference
     out = tmp_path / "score"
     argv = score_argv(clean / "rollout", out)
     if point == "random-shard":
@@ -347,8 +367,9 @@ def test_score_sigkill_then_rerun_gives_the_clean_tables(clean, tmp_path, point)
     assert_same_scores(out, clean / "score")
 
 
-@pytest.mark.parametrize("point", ["after-first-checkpoint", "inside-metrics-write"])
-def test_train_sigkill_resumes_to_the_same_adapter(clean, tmp_path, point):
+@pytest.mark.parametrize("model, point", on_both(["after-first-checkpoint", "inside-metrics-write"], "after-first-checkpoint"))
+def test_train_sigkill_resumes_to_the_same_adapter(reference, tmp_path, model, point):
+    clean = reference
     import torch
     from safetensors.torch import load_file
 
