@@ -65,6 +65,7 @@ hold genuinely square patches, which are detected as squares.
 from __future__ import annotations
 
 from functools import lru_cache
+from itertools import groupby
 from typing import Sequence
 
 import numpy as np
@@ -83,36 +84,48 @@ _REFS = np.array([shapes.BACKGROUND] + [shapes.PALETTE[c] for c in shapes.COLOUR
 # --------------------------------------------------------------------------------------------
 
 
-def _shift(mask: np.ndarray, dy: int, dx: int, fill: bool) -> np.ndarray:
-    out = np.full_like(mask, fill)
-    h, w = mask.shape
-    out[max(dy, 0):h + min(dy, 0), max(dx, 0):w + min(dx, 0)] = mask[max(-dy, 0):h + min(-dy, 0), max(-dx, 0):w + min(-dx, 0)]
-    return out
-
-
 def erode(mask: np.ndarray) -> np.ndarray:
-    """3x3 erosion (outside the image counts as empty)."""
+    """3x3 erosion (outside the image counts as empty): along rows, then along columns (the 3x3
+    square is separable: 4 in-place ANDs, not 9 shifted copies)."""
     out = mask.copy()
-    for dy in (-1, 0, 1):
-        for dx in (-1, 0, 1):
-            out &= _shift(mask, dy, dx, False)
+    out[:, 1:] &= mask[:, :-1]
+    out[:, :-1] &= mask[:, 1:]
+    out[:, [0, -1]] = False
+    rows = out.copy()
+    out[1:] &= rows[:-1]
+    out[:-1] &= rows[1:]
+    out[[0, -1]] = False
     return out
 
 
 def dilate(mask: np.ndarray, r: int = 1) -> np.ndarray:
-    """(2r+1) x (2r+1) dilation."""
+    """(2r+1) x (2r+1) dilation: r 3x3 ones, each along rows, then along columns (separable)."""
     for _ in range(r):
         grown = mask.copy()
-        for dy in (-1, 0, 1):
-            for dx in (-1, 0, 1):
-                grown |= _shift(mask, dy, dx, False)
+        grown[:, 1:] |= mask[:, :-1]
+        grown[:, :-1] |= mask[:, 1:]
+        rows = grown.copy()
+        grown[1:] |= rows[:-1]
+        grown[:-1] |= rows[1:]
         mask = grown
     return mask
 
 
 def components(mask: np.ndarray) -> tuple[np.ndarray, int]:
     """4-connected components: (labels (H, W) int, 0 = none, 1..n; n), numbered in raster order of
-    their first pixel. Min-label propagation with pointer jumping (a few dozen vectorised passes)."""
+    their first pixel. Labelled within the mask's bounding box (objects are small: fewer pixels
+    per pass, the same raster order)."""
+    rows, cols = np.flatnonzero(mask.any(1)), np.flatnonzero(mask.any(0))
+    out = np.zeros(mask.shape, dtype=np.int32)
+    if not len(rows):
+        return out, 0
+    box = (slice(rows[0], rows[-1] + 1), slice(cols[0], cols[-1] + 1))
+    out[box], n = _components(mask[box])
+    return out, n
+
+
+def _components(mask: np.ndarray) -> tuple[np.ndarray, int]:
+    """`components` by min-label propagation with pointer jumping (a few dozen vectorised passes)."""
     h, w = mask.shape
     big = h * w
     idx = np.arange(big).reshape(h, w)
@@ -181,19 +194,58 @@ def _row_span(name: str, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return 0.5 - half, 0.5 + half
 
 
-@lru_cache(maxsize=65536)
-def coverage(name: str, box: tuple[float, float, float, float], h: int, w: int) -> np.ndarray:
-    """Fraction of each pixel of an h x w grid (pixel (0, 0) spans [0, 1]^2) that the shape filling
-    the continuous `box` [x0, y0, x1, y1] covers: exact along x, SUB rows per pixel."""
-    x0, y0, x1, y1 = box
+@lru_cache(maxsize=64)
+def _grid(h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """The y of each of the SUB sample rows per pixel row (h * SUB) and the x of each pixel column's
+    edges (w + 1): built once per crop size, not per template."""
     ys = (np.arange(h)[:, None] + (np.arange(_SUB) + 0.5)[None] / _SUB).ravel()
-    lo, hi = _row_span(name, (ys - y0) / (y1 - y0))
+    px = np.arange(w + 1, dtype=np.float64)
+    ys.flags.writeable = px.flags.writeable = False
+    return ys, px
+
+
+def coverages(names: Sequence[str], boxes: np.ndarray, h: int, w: int) -> np.ndarray:
+    """(n, h, w): per shape of `names` (n) and box of `boxes` (n, 4), the fraction of each pixel of
+    an h x w grid (pixel (0, 0) spans [0, 1]^2) that the shape filling the continuous box [x0, y0,
+    x1, y1] (x0 < x1, y0 < y1) covers: exact along x, SUB rows per pixel. All boxes at once (a fit
+    tries dozens), over the pixels they can touch (1 px more for rounding): the crop around an
+    object is mostly empty."""
+    ys, px = _grid(h, w)
+    boxes = np.asarray(boxes, np.float64).reshape(-1, 4)
+    c0, r0 = (max(int(np.floor(boxes[:, i::2].min())) - 1, 0) for i in (0, 1))
+    c1, r1 = (min(int(np.ceil(boxes[:, i::2].max())) + 1, n) for i, n in ((0, w), (1, h)))
+    out = np.zeros((len(boxes), h, w), np.float32)
+    if r0 >= r1 or c0 >= c1:
+        return out
+    x0, y0, x1, y1 = boxes.T[..., None]  # each (n, 1)
+    v = (ys[r0 * _SUB:r1 * _SUB].reshape(-1, _SUB).T[:, None] - y0) / (y1 - y0)  # (SUB, n, rows): sample rows
+    lo, hi = np.empty_like(v), np.empty_like(v)
+    start = 0
+    for name, run in groupby(names):  # each run of boxes of one shape
+        stop = start + len(list(run))
+        lo[:, start:stop], hi[:, start:stop] = _row_span(name, v[:, start:stop])
+        start = stop
     lo, hi = x0 + lo * (x1 - x0), x0 + hi * (x1 - x0)
-    px = np.arange(w, dtype=np.float64)[None]
-    cover = np.clip(np.minimum(px + 1, hi[:, None]) - np.maximum(px, lo[:, None]), 0.0, 1.0)
-    out = cover.reshape(h, _SUB, w).mean(axis=1).astype(np.float32)
-    out.flags.writeable = False  # shared by the cache
+    # A sample row covers clip(edge, lo, hi) - lo left of a pixel edge; a pixel's share is the
+    # difference at its two edges (0 on an empty row, lo > hi), as min(x + 1, hi) - max(x, lo) clipped
+    # to [0, 1] (bit for bit). Laid out (columns, n, rows) for long inner loops, a pixel's SUB rows
+    # added one at a time into buffers that stay in the CPU cache (arrays of all rows at once do not).
+    edges = np.empty((c1 - c0 + 1,) + v.shape[1:])
+    total, part = np.empty((c1 - c0,) + v.shape[1:]), np.empty((c1 - c0,) + v.shape[1:])
+    for i in range(_SUB):
+        np.maximum(px[c0:c1 + 1, None, None], lo[i], out=edges)
+        np.minimum(edges, hi[i], out=edges)
+        np.subtract(edges[1:], edges[:-1], out=part if i else total)
+        if i:
+            total += part
+    total /= _SUB  # the rows' mean, added in np.mean's order
+    out[:, r0:r1, c0:c1] = total.transpose(1, 2, 0)
     return out
+
+
+def coverage(name: str, box: Sequence[float], h: int, w: int) -> np.ndarray:
+    """`coverages` of one shape and box: (h, w)."""
+    return coverages([name], np.array([box]), h, w)[0]
 
 
 BLURS = (0.0, 0.5, 0.8, 1.1, 1.4, 1.8, 2.2)  # Gaussian blur (sigma, px) the fits try, beyond antialiasing
@@ -211,11 +263,15 @@ def _gauss(n: int, sigma: float) -> np.ndarray:
     return (g / np.exp(-(r ** 2) / (2 * sigma * sigma)).sum()).astype(np.float32)
 
 
-@lru_cache(maxsize=65536)
-def blurred(name: str, box: tuple[float, float, float, float], h: int, w: int, sigma: float) -> np.ndarray:
-    """`coverage` blurred by a Gaussian of `sigma` px (what a blurry image of the shape looks like)."""
-    out = _gauss(h, sigma) @ coverage(name, box, h, w) @ _gauss(w, sigma).T
-    out.flags.writeable = False
+def blurred(cover: np.ndarray, sigmas: Sequence[float]) -> np.ndarray:
+    """Each coverage of `cover` (n, h, w) blurred by a Gaussian of its sigma of `sigmas` (what a
+    blurry image of the shape looks like): one stacked matrix product per distinct sigma."""
+    _, h, w = cover.shape
+    sigmas = np.asarray(sigmas, np.float64)
+    out = np.empty_like(cover)
+    for sigma in np.unique(sigmas):
+        sel = sigmas == sigma
+        out[sel] = cover[sel] if sigma <= 0 else _gauss(h, float(sigma)) @ cover[sel] @ _gauss(w, float(sigma)).T
     return out
 
 
@@ -265,9 +321,21 @@ def _soft(a: np.ndarray) -> np.ndarray:
     return np.clip((a - SOFT) / (1 - 2 * SOFT), 0.0, 1.0)
 
 
-def _soft_iou(a: np.ndarray, t: np.ndarray) -> float:
-    union = float(np.maximum(a, t).sum())
-    return float(np.minimum(a, t).sum()) / union if union else 0.0
+def _soft_ious(a: np.ndarray, keep: np.ndarray, templates: np.ndarray) -> np.ndarray:
+    """Soft IoU (sum of min / sum of max) of the soft object `a` (h, w) with each of `templates`
+    (n, h, w), over the `keep` pixels: float64 (n,), 0 where both are empty."""
+    t = _soft(templates) * keep
+    n = len(t)
+    inter = np.minimum(a, t).reshape(n, -1).sum(-1).astype(np.float64)
+    union = np.maximum(a, t).reshape(n, -1).sum(-1).astype(np.float64)
+    return np.divide(inter, union, out=np.zeros(n), where=union != 0)
+
+
+def _template_ious(a: np.ndarray, keep: np.ndarray, names: Sequence[str], boxes: np.ndarray,
+                   sigmas: Sequence[float]) -> np.ndarray:
+    """Soft IoUs of `a` with the shapes `names` drawn into `boxes` (n, 4) and blurred by `sigmas`:
+    every template of a fit in a few array ops."""
+    return _soft_ious(a, keep, blurred(coverages(names, boxes, *a.shape), sigmas))
 
 
 def shape_fits(alpha: np.ndarray, ignore: np.ndarray, boxes: Sequence[tuple[float, ...]],
@@ -275,10 +343,10 @@ def shape_fits(alpha: np.ndarray, ignore: np.ndarray, boxes: Sequence[tuple[floa
     """Per shape, the best soft IoU (sum of min / sum of max) of an object's coverage `alpha` (h, w)
     with the shape drawn into one of `boxes` (grid coordinates) and blurred by `sigma`, over the
     pixels not in `ignore`."""
-    h, w = alpha.shape
     keep = ~ignore
     a = _soft(alpha) * keep
-    return {name: max(_soft_iou(a, _soft(blurred(name, tuple(box), h, w, sigma)) * keep) for box in boxes)
+    boxes = np.asarray(boxes, np.float64).reshape(-1, 4)
+    return {name: float(_template_ious(a, keep, [name] * len(boxes), boxes, [sigma] * len(boxes)).max())
             for name in TEMPLATES}
 
 
@@ -286,34 +354,36 @@ def fit_blurred(alpha: np.ndarray, ignore: np.ndarray, box: Sequence[float], hid
                 ) -> dict[str, tuple[float, float, tuple[float, ...]]]:
     """Per shape: (best soft IoU, its blur sigma, its box). For each blur of BLURS the seen `box` is pushed
     out by that shape's `retraction` and the fit is made as `shape_fits` does; the best blur is
-    then refined with all of `candidate_boxes`."""
-    h, w = alpha.shape
+    then refined with all of `candidate_boxes` (ties go to the first blur, box tried). Each of the
+    two rounds is one batch of templates: one Python step per template (~130 per object) made the
+    detector cost about as much CPU as the diffusion transformer."""
     keep = ~ignore
     a = _soft(alpha) * keep
     x0, y0, x1, y1 = (float(v) for v in box)
-    size = int(4 * round(max(x1 - x0, y1 - y0) / 4))
-    out = {}
-    for name in TEMPLATES:
-        best = (-1.0, 0.0, None)
-        for sigma in BLURS:
-            r = retraction(name, sigma, min(max(size, 8), 24))
-            grown = (x0 - r[0], y0 - r[1], x1 + r[2], y1 + r[3])
-            iou = _soft_iou(a, _soft(blurred(name, _q(grown, _GROW_BOX[1]), h, w, sigma)) * keep)
-            if iou > best[0]:
-                best = (iou, sigma, grown)
-        iou, sigma, grown = best
-        best_box = _q(grown, _GROW_BOX[1])
-        for b in candidate_boxes(grown, hidden):
-            fit = _soft_iou(a, _soft(blurred(name, _q(b), h, w, sigma)) * keep)
-            if fit > iou:
-                iou, best_box = fit, _q(b)
-        out[name] = (iou, sigma, best_box)
+    size = min(max(int(4 * round(max(x1 - x0, y1 - y0) / 4)), 8), 24)
+    pushed = np.array([[retraction(name, sigma, size) for sigma in BLURS] for name in TEMPLATES])  # (shapes, blurs, 4)
+    grown = np.array([x0, y0, x1, y1]) + pushed * [-1, -1, 1, 1]
+    ious = _template_ious(a, keep, [name for name in TEMPLATES for _ in BLURS],
+                          _q(grown, _GROW_BOX[1]).reshape(-1, 4), BLURS * len(TEMPLATES))
+    ious = ious.reshape(len(TEMPLATES), len(BLURS))
+    blur = ious.argmax(1)  # per shape, its best blur
+    cands = [_q(np.array(candidate_boxes(grown[i, j], hidden))) for i, j in enumerate(blur)]
+    refined = _template_ious(a, keep, [name for name, c in zip(TEMPLATES, cands) for _ in c], np.concatenate(cands),
+                             [BLURS[j] for j, c in zip(blur, cands) for _ in c])
+    out, start = {}, 0
+    for i, (name, j, c) in enumerate(zip(TEMPLATES, blur, cands)):
+        iou, best_box = float(ious[i, j]), _q(grown[i, j], _GROW_BOX[1])
+        k = start + int(refined[start:start + len(c)].argmax())
+        if refined[k] > iou:
+            iou, best_box = float(refined[k]), c[k - start]
+        out[name] = (iou, BLURS[j], tuple(float(v) for v in best_box))
+        start += len(c)
     return out
 
 
-def _q(box: Sequence[float], grow: float = 0.0) -> tuple[float, ...]:
-    """A box grown by `grow`, on a 1/8 px grid (so that the template caches are reused)."""
-    return tuple(round((v + (-grow if i < 2 else grow)) * 8) / 8 for i, v in enumerate(box))
+def _q(box: np.ndarray, grow: float = 0.0) -> np.ndarray:
+    """Boxes (..., 4) grown by `grow`, on a 1/8 px grid (where the fits place boxes)."""
+    return np.round((np.asarray(box, np.float64) + np.array([-grow, -grow, grow, grow])) * 8) / 8
 
 
 def _clip01(x: float) -> float:
@@ -340,15 +410,19 @@ def colour_alphas(rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     projects, 0 = white, 1 = the colour) and residual (RGB distance from that line)."""
     x = rgb.astype(np.float32) - _BG
     alpha = (x @ _DIRS.T) / (_DIRS * _DIRS).sum(-1)
-    resid = np.linalg.norm(x[:, :, None, :] - alpha[..., None] * _DIRS, axis=-1)
-    return alpha, resid
+    off = [np.square(x[..., c, None] - alpha * _DIRS[:, c]) for c in range(3)]  # per channel (H, W, 5):
+    return alpha, np.sqrt(off[0] + off[1] + off[2])  # no (H, W, 5, 3) array, nor a reduce over its 3 channels
 
 
 def segment(rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per pixel: index into NAMES (0 background, -1 nothing) and its residual. A pixel is colour c
     when it is at least half way from white to c (alpha >= 0.5) and within MAX_RESIDUAL of that line
     (the closest such line wins); background when it is less than half way to every colour."""
-    alpha, resid = colour_alphas(rgb)
+    return _segment(*colour_alphas(rgb))
+
+
+def _segment(alpha: np.ndarray, resid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`segment` from `colour_alphas`' output (which `detect` needs too: computed once)."""
     ok = (alpha >= 0.5) & (resid <= MAX_RESIDUAL)
     r = np.where(ok, resid, np.inf)
     nearest = r.argmin(-1)
@@ -377,7 +451,7 @@ def detect(image) -> list[dict]:
     {"class", "score", "box": [x0, y0, x1, y1] in the input's pixels, "color", "mask": None}."""
     rgb, back = _work_image(image)
     alphas, resid = colour_alphas(rgb)
-    labels, dist = segment(rgb)
+    labels, _ = _segment(alphas, resid)
     min_area = MIN_AREA * (rgb.shape[0] * rgb.shape[1]) / (WORK * WORK)
     found = []
     for k, colour in enumerate(shapes.COLOURS, start=1):
@@ -427,7 +501,8 @@ def _describe(obj: np.ndarray, core: np.ndarray, others: np.ndarray, ignore: np.
     best, iou = ranked[0]
     cls = _CLASS.get(best, best)
     runner_up = next(v for k, v in ranked[1:] if _CLASS.get(k, k) != cls)
-    inner = erode(core) if erode(core).any() else core
+    inner = erode(core)
+    inner = inner if inner.any() else core
     fit = _clip01((iou - FIT[0]) / (FIT[1] - FIT[0]))
     margin = _clip01(0.5 + (iou - runner_up) / 0.1)
     purity = _clip01(1.5 - float(resid[inner].mean()) / 50.0)

@@ -1,0 +1,99 @@
+"""Benchmark: ms per image of the weight-free shapes detector (`tpkit.shapes_detect.detect`).
+
+The `geneval` reward with detector=shapes runs it on every image of the `tiny-shapes` RL score
+stage, where it cost about as much CPU as the diffusion transformer. Timed on
+  (a) clean renders of random scenes (`tpkit.shapes.render`), like final, sharp images;
+  (b) model-like images: such renders blurred (Gaussian, sigma 1-1.8 px) and noised (sigma 6), deterministically;
+  (c) with --pngs DIR, a model's own samples (the PNGs under DIR but grid-*.png): their objects touch
+      other colours more often than in (b), so more candidate boxes are fitted per object.
+Each kind is timed on a first set (cold template caches, where a detector keeps them), then on a
+second, different one (warm, as in a long run); --module times another copy (e.g. an older one).
+
+    python bench/detector_speed.py [--images 80] [--module PATH] [--pngs DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tpkit import shapes
+
+
+def load_detector(path: str | None):
+    """`detect` of tpkit.shapes_detect, or of the module file at `path`."""
+    if path is None:
+        from tpkit.shapes_detect import detect
+
+        return detect
+    spec = importlib.util.spec_from_file_location("detector_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.detect
+
+
+def blur(image: np.ndarray, sigma: float) -> np.ndarray:
+    """Separable Gaussian blur (edges repeated), float."""
+    r = math.ceil(3 * sigma)
+    k = np.exp(-np.arange(-r, r + 1) ** 2 / (2 * sigma * sigma))
+    k /= k.sum()
+    a = image.astype(np.float64)
+    for axis in (0, 1):
+        pad = [(0, 0)] * 3
+        pad[axis] = (r, r)
+        p = np.pad(a, pad, mode="edge")
+        a = sum(w * np.take(p, np.arange(i, i + a.shape[axis]), axis=axis) for i, w in enumerate(k))
+    return a
+
+
+def pngs(folder: str, n: int, skip: int) -> list[np.ndarray]:
+    """n of the PNGs under `folder` (sorted, after the first `skip`), as uint8 RGB arrays."""
+    from PIL import Image
+
+    files = sorted(p for p in Path(folder).rglob("*.png") if not p.name.startswith("grid-"))
+    return [np.asarray(Image.open(p).convert("RGB")) for p in files[skip:skip + n]]
+
+
+def images(kind: str, n: int, seed: int) -> list[np.ndarray]:
+    """n images of random scenes: clean renders, or ("blurry") blurred and noised ones."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        image = shapes.render(shapes.sample_scene(rng))
+        if kind == "blurry":
+            a = blur(image, float(rng.uniform(1.0, 1.8))) + rng.normal(0, 6.0, image.shape)
+            image = np.clip(np.round(a), 0, 255).astype(np.uint8)
+        out.append(image)
+    return out
+
+
+def ms_per_image(detect, batch: list[np.ndarray]) -> float:
+    start = time.perf_counter()
+    for image in batch:
+        detect(image)
+    return 1000 * (time.perf_counter() - start) / len(batch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=80, help="images per set (each kind has two sets)")
+    parser.add_argument("--module", default=None, help="a shapes_detect.py file to time instead of tpkit's")
+    parser.add_argument("--pngs", default=None, help="a folder of a model's samples (PNGs) to time too")
+    args = parser.parse_args()
+    detect = load_detector(args.module)
+    print(f"detector: {args.module or 'tpkit.shapes_detect'}, {args.images} images per set")
+    sets = {kind: (images(kind, args.images, 1), images(kind, args.images, 2)) for kind in ("clean", "blurry")}
+    if args.pngs:
+        sets["model"] = (pngs(args.pngs, args.images, 0), pngs(args.pngs, args.images, args.images))
+    for kind, (first, second) in sets.items():
+        cold, warm = ms_per_image(detect, first), ms_per_image(detect, second)
+        print(f"  {kind:6s}  {cold:6.2f} ms/image (cold caches)  {warm:6.2f} ms/image (warm caches)")
+
+
+if __name__ == "__main__":
+    main()
