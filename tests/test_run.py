@@ -441,3 +441,36 @@ def test_sigkill_then_rerun_finishes(tmp_path, two_prompts):
             assert (layout.round_dir(run_dir, r) / stage / layout.MANIFEST).is_file()
     assert (run_dir / "report.png").read_bytes().startswith(b"\x89PNG")
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("tp", sorted(p.name for p in (ROOT / "pipelines").glob("*tpgrpo*.toml")
+                                      if (ROOT / "pipelines" / p.name.replace("tpgrpo", "flowgrpo")).is_file()))
+def test_flow_grpo_recipes_are_their_tp_grpo_twins_but_the_method(tp):
+    """Both methods tuned equally: a recipe pair differs in the method (and what it implies: which
+    branches are scored), in nothing else."""
+    import dataclasses
+
+    from tpkit.config import load_recipe
+
+    a, b = (load_recipe(ROOT / "pipelines" / n) for n in (tp, tp.replace("tpgrpo", "flowgrpo")))
+    assert (a.method, b.method) == ("tp-grpo", "flow-grpo")
+    assert (a.score.branches, b.score.branches) == ("all", "final")
+    for section in ("rollout", "train", "eval"):
+        assert dataclasses.asdict(getattr(a, section)) == dataclasses.asdict(getattr(b, section)), section
+    assert dataclasses.replace(a.score, branches="final") == b.score
+    assert (a.rounds, a.seed, a.eval_every, a.score.rewards) == (b.rounds, b.seed, b.eval_every, b.score.rewards)
+
+
+def test_flux_recipes_carry_the_release_settings():
+    from tpkit.config import load_recipe
+    from tpkit.models import flux
+
+    for name in ("flux-tpgrpo-pickscore", "flux-tpgrpo-geneval"):
+        r = load_recipe(ROOT / "pipelines" / f"{name}.toml")
+        ro = r.rollout
+        assert (ro.family, ro.steps, ro.guidance, ro.resolution, ro.group_size, ro.noise_level, ro.sampler) == (
+            "flux", 6, 3.5, 512, 24, 0.8, "cps")
+        assert (ro.window_size, ro.window_range) == (5, (0, 5))
+        assert (r.eval.steps, r.eval.family, r.train.mixed_precision) == (28, "flux", "bf16")
+        assert r.train.lora_targets == list(flux.LORA_TARGETS) and (r.train.lora_rank, r.train.lora_alpha) == (64, 128)
+    assert load_recipe(ROOT / "pipelines" / "sd35l-tpgrpo-pickscore.toml").rollout.family == "sd3"
