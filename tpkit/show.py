@@ -34,8 +34,8 @@ def manifest_summary(manifest: dict) -> None:
 
 
 def rollout_settings(manifest: dict) -> None:
-    c = manifest["config"]
-    keys = ("model", "lora", "sampler", "noise_level", "guidance", "steps", "window_size", "window_range",
+    c = {"family": "sd3", **manifest["config"]}  # rollouts from before FLUX record no family
+    keys = ("model", "family", "lora", "sampler", "noise_level", "guidance", "steps", "window_size", "window_range",
             "group_size", "resolution", "seed")
     console.print(_kv_table("rollout settings", {**{k: c[k] for k in keys}, "window_start": manifest["window_start"]}))
 
@@ -100,9 +100,9 @@ def shard_view(path: Path) -> None:
     prompts, trajs = layout.read_shard(path)
     console.print(f"[bold]{path}[/]: {len(prompts)} prompts, {len(trajs)} trajectories")
     if trajs:
-        m = trajs[0].meta
-        settings = {k: m[k] for k in ("model", "lora", "sampler", "noise_level", "guidance", "steps", "window_start",
-                                       "window_size", "resolution")}
+        m = {"family": "sd3", **trajs[0].meta}  # rollouts from before FLUX record no family
+        settings = {k: m[k] for k in ("model", "family", "lora", "sampler", "noise_level", "guidance", "steps",
+                                       "window_start", "window_size", "resolution")}
         settings.update({f"tensor {k}": f"{list(v.shape)} {str(v.dtype).replace('torch.', '')}"
                          for k, v in trajs[0].tensors.items()})
         console.print(_kv_table("trajectory settings and shapes", settings))
