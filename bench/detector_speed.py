@@ -7,9 +7,11 @@ stage, where it cost about as much CPU as the diffusion transformer. Timed on
   (c) with --pngs DIR, a model's own samples (the PNGs under DIR but grid-*.png): their objects touch
       other colours more often than in (b), so more candidate boxes are fitted per object.
 Each kind is timed on a first set (cold template caches, where a detector keeps them), then on a
-second, different one (warm, as in a long run); --module times another copy (e.g. an older one).
+second, different one (warm, as in a long run); --module times another copy (e.g. an older one)
+instead, --against times one beside tpkit's, interleaved in this process, and prints the ratio.
 
-    python bench/detector_speed.py [--images 80] [--module PATH] [--pngs DIR]
+    python bench/detector_speed.py [--images 80] [--module PATH | --against PATH] [--pngs DIR]
+    git show baba483:tpkit/shapes_detect.py > /tmp/old.py && python bench/detector_speed.py --against /tmp/old.py --pngs runs/X
 """
 
 from __future__ import annotations
@@ -84,15 +86,25 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=80, help="images per set (each kind has two sets)")
     parser.add_argument("--module", default=None, help="a shapes_detect.py file to time instead of tpkit's")
     parser.add_argument("--pngs", default=None, help="a folder of a model's samples (PNGs) to time too")
+    parser.add_argument("--against", default=None, help="a shapes_detect.py file to time beside tpkit's (ratio)")
     args = parser.parse_args()
-    detect = load_detector(args.module)
-    print(f"detector: {args.module or 'tpkit.shapes_detect'}, {args.images} images per set")
+    detectors = {args.module or "tpkit.shapes_detect": load_detector(args.module)}
+    if args.against:
+        detectors[args.against] = load_detector(args.against)
+    print(f"detectors: {', '.join(detectors)}; {args.images} images per set")
     sets = {kind: (images(kind, args.images, 1), images(kind, args.images, 2)) for kind in ("clean", "blurry")}
     if args.pngs:
         sets["model"] = (pngs(args.pngs, args.images, 0), pngs(args.pngs, args.images, args.images))
     for kind, (first, second) in sets.items():
-        cold, warm = ms_per_image(detect, first), ms_per_image(detect, second)
-        print(f"  {kind:6s}  {cold:6.2f} ms/image (cold caches)  {warm:6.2f} ms/image (warm caches)")
+        times = {name: [] for name in detectors}
+        for batch in (first, second):  # cold caches, then warm; the detectors interleaved
+            for name, detect in detectors.items():
+                times[name].append(ms_per_image(detect, batch))
+        for name, (cold, warm) in times.items():
+            print(f"  {kind:6s}  {cold:6.2f} ms/image (cold caches)  {warm:6.2f} ms/image (warm caches)  {name}")
+        if args.against:
+            ours, theirs = times.values()
+            print(f"  {kind:6s}  ratio {args.against} / tpkit: {theirs[0] / ours[0]:.2f}x cold, {theirs[1] / ours[1]:.2f}x warm")
 
 
 if __name__ == "__main__":
