@@ -1,7 +1,9 @@
 """The `tpkit` command: a thin Typer layer over the stage libraries.
 
 Each command parses options, builds a config, calls `tpkit.<stage>.run(cfg)` and renders a Rich
-summary. Stage modules (and torch) are imported inside the commands so `tpkit --help` is fast.
+summary. An option that sets a config field takes its default and help from the field (`opt`): each
+is declared once, in `tpkit.config`. Stage modules (and torch) are imported inside the commands so
+`tpkit --help` is fast.
 Errors: tpkit's own print in one or two lines (exit 2), usage errors too (the flag, the value, the
 expected type or the nearest flag; typer's own copy of click is caught, not only click's); anything
 else in one line (exit 1); `--debug` anywhere on the command line shows the traceback instead.
@@ -15,7 +17,8 @@ from typing import List, Optional
 
 import typer
 
-from tpkit.config import TINY_MODEL, TrainConfig
+from tpkit import config
+from tpkit.config import AdvantagesConfig, CompareConfig, EvalConfig, RolloutConfig, ScoreConfig, TrainConfig, field_help
 from tpkit.errors import TpkitError
 
 app = typer.Typer(
@@ -25,50 +28,57 @@ app = typer.Typer(
          "Add --debug anywhere for tracebacks, --threads N to cap this process's CPU threads.",
 )
 
-_RANK = typer.Option(None, help="This process's rank (default: $RANK or 0).")
-_WORLD = typer.Option(None, help="Number of processes (default: $WORLD_SIZE or 1).")
-_DEVICE = typer.Option("auto", help="cuda, cpu, cuda:1 ... (auto: cuda if available).")
-_DTYPE = typer.Option("auto", help="Model dtype: auto (bf16 on CUDA, float32 on CPU), float32, bf16, fp16.")
-_TEXT_LENGTH = typer.Option(None, help="T5 tokens per prompt (default: the model's; 128 for SD3.5, as the release).")
-_GUIDANCE = typer.Option(None, help="Guidance scale (default: the model's, as the release: CFG 4.5 for SD3.5, "
-                                     "distilled guidance 3.5 for FLUX.1-dev).")
-_FAMILY = typer.Option(None, help="Model family, sd3 or flux (default: from the model: its model_index.json, else its name).")
-_MODEL = "Hub id, local folder, or a built-in model: tiny-sd3, tiny-flux (random, built locally), tiny-shapes (pretrained, shipped)."
+
+def opt(cls: type, name: str, *decls: str, required: bool = False, **extra):
+    """The option for field `name` of config dataclass `cls`: the field's default (none if `required`) and
+    help; `decls` and `extra` (a command's own help ...) go to typer.Option as they are."""
+    extra.setdefault("help", field_help(cls, name))
+    return typer.Option(... if required else config.default(cls, name), *decls, **extra)
+
+
+def _reward_specs(weights: dict[str, float]) -> list[str]:
+    """{'pickscore': 1.0, 'ocr': 0.5} -> ['pickscore', 'ocr=0.5']: a config's rewards as --reward values."""
+    return [name if w == 1 else f"{name}={w}" for name, w in weights.items()]
+
+
+def _str(path: Optional[Path]) -> Optional[str]:
+    return str(path) if path else None
 
 
 @app.command()
 def rollout(
-    prompts: Path = typer.Option(..., "--prompts", help=".txt (one prompt a line) or .jsonl (objects with \"prompt\")."),
-    out: Path = typer.Option(..., "--out", help="Output folder for shards and manifest.json."),
-    model: str = typer.Option(TINY_MODEL, help=_MODEL),
-    family: Optional[str] = _FAMILY,
-    group_size: int = typer.Option(24, help="Trajectories per prompt (the GRPO group)."),
-    steps: int = typer.Option(10, help="Sampling steps T."),
-    guidance: Optional[float] = _GUIDANCE,
-    resolution: Optional[int] = typer.Option(None, help="Image size in pixels (default: the model's; 512, 64 for the tiny ones)."),
-    sampler: str = typer.Option("cps", help="sde (Flow-GRPO) or cps (coefficients-preserving; the paper's)."),
-    noise_level: float = typer.Option(0.7, help="Noise level a of the stochastic sampler."),
-    window_size: int = typer.Option(9, help="K: number of consecutive stochastic steps."),
-    window_range: tuple[int, int] = typer.Option((0, 9), help="LO HI: the window start is drawn from [LO, HI - K]."),
-    seed: int = typer.Option(0, help="Base seed; each trajectory's seed derives from (seed, prompt, member)."),
-    lora: Optional[Path] = typer.Option(None, help="LoRA adapter folder from `tpkit train` (the current policy)."),
-    prompts_per_shard: int = typer.Option(4, help="Prompt groups per shard (groups never split)."),
-    batch_size: int = typer.Option(8, help="Trajectories per transformer batch (CFG doubles it)."),
-    max_sequence_length: Optional[int] = _TEXT_LENGTH,
-    overwrite: bool = typer.Option(False, help="Clear the output folder first and redo the stage."),
-    device: str = _DEVICE, dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
+    prompts: Path = opt(RolloutConfig, "prompts", "--prompts", required=True),
+    out: Path = opt(RolloutConfig, "out", "--out", required=True),
+    model: str = opt(RolloutConfig, "model"),
+    family: Optional[str] = opt(RolloutConfig, "family"),
+    group_size: int = opt(RolloutConfig, "group_size"),
+    steps: int = opt(RolloutConfig, "steps"),
+    guidance: Optional[float] = opt(RolloutConfig, "guidance"),
+    resolution: Optional[int] = opt(RolloutConfig, "resolution"),
+    sampler: str = opt(RolloutConfig, "sampler"),
+    noise_level: float = opt(RolloutConfig, "noise_level"),
+    window_size: int = opt(RolloutConfig, "window_size"),
+    window_range: tuple[int, int] = opt(RolloutConfig, "window_range"),
+    seed: int = opt(RolloutConfig, "seed"),
+    lora: Optional[Path] = opt(RolloutConfig, "lora"),
+    prompts_per_round: int = opt(RolloutConfig, "prompts_per_round"),
+    prompts_per_shard: int = opt(RolloutConfig, "prompts_per_shard"),
+    batch_size: int = opt(RolloutConfig, "batch_size"),
+    max_sequence_length: Optional[int] = opt(RolloutConfig, "max_sequence_length"),
+    overwrite: bool = opt(RolloutConfig, "overwrite"),
+    device: str = opt(RolloutConfig, "device"), dtype: str = opt(RolloutConfig, "dtype"),
+    rank: Optional[int] = opt(RolloutConfig, "rank"), world_size: Optional[int] = opt(RolloutConfig, "world_size"),
 ) -> None:
     """Sample SDE trajectories and cache their window states (WebDataset shards)."""
     from tpkit import rollout as stage
-    from tpkit.config import RolloutConfig
     from tpkit.show import manifest_summary
 
     cfg = RolloutConfig(
         model=model, family=family, prompts=str(prompts), out=str(out), group_size=group_size, steps=steps, guidance=guidance,
         resolution=resolution, sampler=sampler, noise_level=noise_level, window_size=window_size,
-        window_range=window_range, seed=seed, lora=str(lora) if lora else None, prompts_per_shard=prompts_per_shard,
-        batch_size=batch_size, max_sequence_length=max_sequence_length, dtype=dtype, device=device, rank=rank,
-        world_size=world_size, overwrite=overwrite,
+        window_range=window_range, seed=seed, lora=_str(lora), prompts_per_round=prompts_per_round,
+        prompts_per_shard=prompts_per_shard, batch_size=batch_size, max_sequence_length=max_sequence_length, dtype=dtype,
+        device=device, rank=rank, world_size=world_size, overwrite=overwrite,
     )
     manifest = stage.run(cfg)
     _finished(manifest, out, manifest_summary)
@@ -76,22 +86,24 @@ def rollout(
 
 @app.command()
 def score(
-    rollout_dir: Path = typer.Argument(..., metavar="ROLLOUT_DIR", help="Folder written by `tpkit rollout`."),
-    out: Path = typer.Option(..., "--out", help="Output folder for scores Parquet and manifest.json."),
-    reward: List[str] = typer.Option(["jpeg-compressibility"], help="NAME[=WEIGHT], repeatable; or module:function."),
+    rollout_dir: Path = typer.Argument(..., metavar="ROLLOUT_DIR", help=field_help(ScoreConfig, "rollout")),
+    out: Path = opt(ScoreConfig, "out", "--out", required=True),
+    reward: List[str] = typer.Option(_reward_specs(config.default(ScoreConfig, "rewards")),
+                                     help="NAME[=WEIGHT], repeatable; or module:function."),
     reward_opt: List[str] = typer.Option([], help="NAME.OPTION=VALUE for a reward's model paths etc. (repeatable)."),
-    branches: str = typer.Option("all", help="all: R_0..R_K (TP-GRPO); final: only R_K (Flow-GRPO)."),
-    batch_size: int = typer.Option(16, help="Branches per transformer batch (CFG doubles it)."),
-    decode_batch_size: int = typer.Option(8, help="Images per VAE decode and reward call."),
-    reward_workers: int = typer.Option(1, help="Threads scoring images while the transformer runs (0: inline)."),
-    branch_steps: int = typer.Option(0, help="0: exact branches; N: at most N ODE steps per branch (faster, approximate)."),
-    on_nan: str = typer.Option("stop", help="A NaN/infinite reward: stop (list the trajectories) or drop them."),
-    overwrite: bool = typer.Option(False, help="Clear the output folder first and redo the stage."),
-    device: str = _DEVICE, dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
+    branches: str = opt(ScoreConfig, "branches"),
+    batch_size: int = opt(ScoreConfig, "batch_size"),
+    decode_batch_size: int = opt(ScoreConfig, "decode_batch_size"),
+    reward_workers: int = opt(ScoreConfig, "reward_workers"),
+    branch_steps: int = opt(ScoreConfig, "branch_steps"),
+    on_nan: str = opt(ScoreConfig, "on_nan"),
+    overwrite: bool = opt(ScoreConfig, "overwrite"),
+    device: str = opt(ScoreConfig, "device"), dtype: str = opt(ScoreConfig, "dtype"),
+    rank: Optional[int] = opt(ScoreConfig, "rank"), world_size: Optional[int] = opt(ScoreConfig, "world_size"),
 ) -> None:
     """Reward of the ODE completion from every cached window state (Parquet)."""
     from tpkit import score as stage
-    from tpkit.config import ScoreConfig, parse_reward_options, parse_reward_specs
+    from tpkit.config import parse_reward_options, parse_reward_specs
     from tpkit.show import manifest_summary, scores_view
 
     cfg = ScoreConfig(rollout=str(rollout_dir), out=str(out), rewards=parse_reward_specs(reward),
@@ -112,16 +124,15 @@ def score(
 
 @app.command()
 def advantages(
-    scores: Path = typer.Argument(..., metavar="SCORES", help="Folder of scores Parquet files, or one file."),
-    out: Path = typer.Option(..., "--out", help="Output folder for advantages.parquet and manifest.json."),
-    method: str = typer.Option("tp-grpo", help="tp-grpo (turning points) or flow-grpo (r_k = R_K)."),
-    balance: str = typer.Option("all", help="all: balance positive/negative turning points; none: keep all."),
-    std: str = typer.Option("group", help="group: per-prompt std; global: std over all trajectories per step."),
-    overwrite: bool = typer.Option(False, help="Clear the output folder first and redo the stage."),
+    scores: Path = typer.Argument(..., metavar="SCORES", help=field_help(AdvantagesConfig, "scores")),
+    out: Path = opt(AdvantagesConfig, "out", "--out", required=True),
+    method: str = opt(AdvantagesConfig, "method"),
+    balance: str = opt(AdvantagesConfig, "balance"),
+    std: str = opt(AdvantagesConfig, "std"),
+    overwrite: bool = opt(AdvantagesConfig, "overwrite"),
 ) -> None:
     """Step rewards, turning points and advantages (Parquet)."""
     from tpkit import advantages as stage
-    from tpkit.config import AdvantagesConfig
     from tpkit.show import advantages_view
 
     manifest = stage.run(AdvantagesConfig(scores=str(scores), out=str(out), method=method, balance=balance, std=std,
@@ -132,52 +143,44 @@ def advantages(
 
 @app.command()
 def train(
-    rollout_dir: Path = typer.Option(..., "--rollout", help="Folder written by `tpkit rollout`."),
-    advantages_dir: Path = typer.Option(..., "--advantages", help="Folder written by `tpkit advantages`, or its advantages.parquet."),
-    out: Path = typer.Option(..., "--out", help="Output folder: adapter/, state/, metrics.jsonl, manifest.json."),
-    init_lora: Optional[Path] = typer.Option(None, help="adapter/ of a previous round (its state/ is continued too)."),
-    lora_rank: int = typer.Option(32, help="LoRA rank r."),
-    lora_alpha: int = typer.Option(64, help="LoRA alpha."),
-    lora_target: Optional[List[str]] = typer.Option(
-        None, help="Modules to adapt (repeatable; default: the model family's, as the release: SD3's joint-attention "
-                   "projections, FLUX's attention and double-block feed-forward layers; SD3.5's second attention "
-                   "(attn2.to_q ...) and FLUX's single-block proj_mlp/proj_out are opt-in)."),
-    learning_rate: float = typer.Option(3e-4, help="AdamW learning rate."),
-    adam_beta1: float = typer.Option(0.9), adam_beta2: float = typer.Option(0.999),
-    adam_weight_decay: float = typer.Option(1e-4), adam_epsilon: float = typer.Option(1e-8),
-    clip_range: float = typer.Option(1e-5, help="PPO clip range eps of the ratio."),
-    adv_clip: float = typer.Option(5.0, help="Advantages are clamped to [-x, x]."),
-    beta: float = typer.Option(1e-4, help="KL weight; 0 skips the reference pass."),
-    kl: str = typer.Option(TrainConfig.kl, help="release: the KL on the release's scale (sde: without its dt, so "
-                                                 "published weights mean the same); exact: the Gaussian KL."),
-    drop_zero_advantage: bool = typer.Option(TrainConfig.drop_zero_advantage,
-                                             help="Leave trajectories whose advantage is 0 at every step out of the loss (as the release)."),
-    optimizer_steps: int = typer.Option(2, help="Optimizer steps per round (transitions split evenly)."),
-    micro_batch_size: int = typer.Option(0, help="0: replay the rollout's batches (first ratio exactly 1); N: split them."),
-    max_grad_norm: float = typer.Option(1.0, help="Gradient-norm clip."),
-    mixed_precision: str = typer.Option("no", help="no, fp16 or bf16 (accelerate autocast)."),
-    ema: bool = typer.Option(TrainConfig.ema, help="Keep an EMA of the LoRA: adapter/ is then the EMA, adapter-raw/ the trained weights."),
-    ema_decay: float = typer.Option(TrainConfig.ema_decay, help="EMA decay (after the release's warm-up)."),
-    ema_every: int = typer.Option(TrainConfig.ema_every, help="Update the EMA every N optimizer steps."),
-    gradient_checkpointing: bool = typer.Option(False, help="Trade compute for activation memory."),
-    max_bad_steps: int = typer.Option(3, help="Stop after this many non-finite steps in a row."),
-    allow_no_op: bool = typer.Option(TrainConfig.allow_no_op,
-                                     help="Accept a round with nothing to learn (every advantage 0, or every step "
-                                          "non-finite): save the adapter unchanged instead of failing."),
-    seed: int = typer.Option(0, help="Seed of the micro-batch order."),
-    checkpoint_every: int = typer.Option(1, help="Save a resumable checkpoint every N optimizer steps (0: never)."),
-    overwrite: bool = typer.Option(False, help="Clear the output folder first and redo the stage."),
-    log_with: str = typer.Option("none", help="Track the metrics of every optimizer step: none, tensorboard "
-                                             "(OUT/tensorboard/) or wandb (OUT/wandb/; offline without network)."),
-    device: str = _DEVICE, dtype: str = _DTYPE,
+    rollout_dir: Path = opt(TrainConfig, "rollout", "--rollout", required=True),
+    advantages_dir: Path = opt(TrainConfig, "advantages", "--advantages", required=True),
+    out: Path = opt(TrainConfig, "out", "--out", required=True),
+    init_lora: Optional[Path] = opt(TrainConfig, "init_lora"),
+    lora_rank: int = opt(TrainConfig, "lora_rank"),
+    lora_alpha: int = opt(TrainConfig, "lora_alpha"),
+    lora_target: Optional[List[str]] = opt(TrainConfig, "lora_targets", "--lora-target"),
+    learning_rate: float = opt(TrainConfig, "learning_rate"),
+    adam_beta1: float = opt(TrainConfig, "adam_beta1"), adam_beta2: float = opt(TrainConfig, "adam_beta2"),
+    adam_weight_decay: float = opt(TrainConfig, "adam_weight_decay"),
+    adam_epsilon: float = opt(TrainConfig, "adam_epsilon"),
+    clip_range: float = opt(TrainConfig, "clip_range"),
+    adv_clip: float = opt(TrainConfig, "adv_clip"),
+    beta: float = opt(TrainConfig, "beta"),
+    kl: str = opt(TrainConfig, "kl"),
+    drop_zero_advantage: bool = opt(TrainConfig, "drop_zero_advantage"),
+    optimizer_steps: int = opt(TrainConfig, "optimizer_steps"),
+    micro_batch_size: int = opt(TrainConfig, "micro_batch_size"),
+    max_grad_norm: float = opt(TrainConfig, "max_grad_norm"),
+    mixed_precision: str = opt(TrainConfig, "mixed_precision"),
+    ema: bool = opt(TrainConfig, "ema"),
+    ema_decay: float = opt(TrainConfig, "ema_decay"),
+    ema_every: int = opt(TrainConfig, "ema_every"),
+    gradient_checkpointing: bool = opt(TrainConfig, "gradient_checkpointing"),
+    max_bad_steps: int = opt(TrainConfig, "max_bad_steps"),
+    allow_no_op: bool = opt(TrainConfig, "allow_no_op"),
+    seed: int = opt(TrainConfig, "seed"),
+    checkpoint_every: int = opt(TrainConfig, "checkpoint_every"),
+    overwrite: bool = opt(TrainConfig, "overwrite"),
+    log_with: str = opt(TrainConfig, "log_with"),
+    device: str = opt(TrainConfig, "device"), dtype: str = opt(TrainConfig, "dtype"),
 ) -> None:
     """GRPO updates of a LoRA on the cached transitions (accelerate; multi-GPU with `accelerate launch`)."""
     from tpkit import train as stage
-    from tpkit.config import TrainConfig
     from tpkit.show import train_view
 
     cfg = TrainConfig(
-        rollout=str(rollout_dir), advantages=str(advantages_dir), out=str(out), init_lora=str(init_lora) if init_lora else None,
+        rollout=str(rollout_dir), advantages=str(advantages_dir), out=str(out), init_lora=_str(init_lora),
         lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=list(lora_target) if lora_target else None, learning_rate=learning_rate,
         adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_weight_decay=adam_weight_decay, adam_epsilon=adam_epsilon,
         clip_range=clip_range, adv_clip=adv_clip, beta=beta, kl=kl, drop_zero_advantage=drop_zero_advantage,
@@ -219,91 +222,103 @@ eval_app = typer.Typer(help="Evaluate a model (+ LoRA) on held-out prompts.", no
 app.add_typer(eval_app, name="eval")
 
 
-def _eval(kind: str, model: str, lora: Optional[Path], prompts: Optional[Path], out: Path, images: Optional[Path],
-          reward: list[str], reward_opt: list[str], images_per_prompt: int, steps: int, guidance: Optional[float],
-          resolution: Optional[int], seed: int, batch_size: int, max_sequence_length: Optional[int], device: str,
-          dtype: str, rank, world_size) -> None:
+def _eval(kind: str, out: Path, prompts: Optional[Path], lora: Optional[Path], images: Optional[Path],
+          reward: list[str], reward_opt: list[str], **same) -> None:
+    """`same`: options named as their EvalConfig fields, passed as they are."""
     from tpkit import evaluate
     from tpkit.config import parse_reward_options, parse_reward_specs
     from tpkit.show import eval_view
 
-    cfg = evaluate.EvalConfig(
-        kind=kind, model=model, lora=str(lora) if lora else None, prompts=str(prompts) if prompts else "", out=str(out),
-        images=str(images) if images else None, rewards=parse_reward_specs(reward) if reward else {},
-        reward_options=parse_reward_options(reward_opt), images_per_prompt=images_per_prompt, steps=steps,
-        guidance=guidance, resolution=resolution, seed=seed, batch_size=batch_size,
-        max_sequence_length=max_sequence_length, device=device, dtype=dtype, rank=rank, world_size=world_size)
+    cfg = EvalConfig(kind=kind, out=str(out), prompts=str(prompts) if prompts else "", lora=_str(lora),
+                     images=_str(images), rewards=parse_reward_specs(reward) if reward else {},
+                     reward_options=parse_reward_options(reward_opt), **same)
     _finished(evaluate.run(cfg), out, eval_view)
 
 
 @eval_app.command("reward")
 def eval_reward(
-    prompts: Path = typer.Option(..., "--prompts", help="Test prompts: .txt or .jsonl."),
-    out: Path = typer.Option(..., "--out", help="Output folder: images/, results.jsonl, summary.json, grid.png."),
+    prompts: Path = opt(EvalConfig, "prompts", "--prompts", required=True),
+    out: Path = opt(EvalConfig, "out", "--out", required=True),
     reward: List[str] = typer.Option(..., help="NAME[=WEIGHT], repeatable; or module:function."),
     reward_opt: List[str] = typer.Option([], help="NAME.OPTION=VALUE (repeatable)."),
-    model: str = typer.Option(TINY_MODEL, help=_MODEL),
-    lora: Optional[Path] = typer.Option(None, help="LoRA adapter folder (e.g. runs/NAME/round-NNNN/train/adapter)."),
-    images: Optional[Path] = typer.Option(None, help="Score this folder of images (GenEval layout) instead of generating."),
-    images_per_prompt: int = typer.Option(4), steps: int = typer.Option(40, help="ODE steps."),
-    guidance: Optional[float] = _GUIDANCE, resolution: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
-    batch_size: int = typer.Option(8), max_sequence_length: Optional[int] = _TEXT_LENGTH, device: str = _DEVICE,
-    dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
+    model: str = opt(EvalConfig, "model"),
+    family: Optional[str] = opt(EvalConfig, "family"),
+    lora: Optional[Path] = opt(EvalConfig, "lora"),
+    images: Optional[Path] = opt(EvalConfig, "images"),
+    images_per_prompt: int = opt(EvalConfig, "images_per_prompt"), steps: int = opt(EvalConfig, "steps"),
+    guidance: Optional[float] = opt(EvalConfig, "guidance"), resolution: Optional[int] = opt(EvalConfig, "resolution"),
+    seed: int = opt(EvalConfig, "seed"), batch_size: int = opt(EvalConfig, "batch_size"),
+    max_sequence_length: Optional[int] = opt(EvalConfig, "max_sequence_length"),
+    grid_prompts: int = opt(EvalConfig, "grid_prompts"), overwrite: bool = opt(EvalConfig, "overwrite"),
+    device: str = opt(EvalConfig, "device"), dtype: str = opt(EvalConfig, "dtype"),
+    rank: Optional[int] = opt(EvalConfig, "rank"), world_size: Optional[int] = opt(EvalConfig, "world_size"),
 ) -> None:
     """Mean ± std (overall and per prompt) of any reward over a test set, with an image grid."""
-    _eval("reward", model, lora, prompts, out, images, reward, reward_opt, images_per_prompt, steps, guidance,
-          resolution, seed, batch_size, max_sequence_length, device, dtype, rank, world_size)
+    _eval("reward", out, prompts, lora, images, reward, reward_opt, model=model, family=family,
+          images_per_prompt=images_per_prompt, steps=steps, guidance=guidance, resolution=resolution, seed=seed,
+          batch_size=batch_size, max_sequence_length=max_sequence_length, grid_prompts=grid_prompts,
+          overwrite=overwrite, device=device, dtype=dtype, rank=rank, world_size=world_size)
 
 
 @eval_app.command("geneval")
 def eval_geneval(
-    out: Path = typer.Option(..., "--out", help="Output folder: images/, results.jsonl, summary.json, grid-<task>.png."),
+    out: Path = opt(EvalConfig, "out", "--out", required=True),
     metadata: Optional[Path] = typer.Option(None, help="GenEval evaluation_metadata.jsonl (default: GenEval's 553 prompts, regenerated)."),
     detector: Optional[str] = typer.Option(None, help="Detector id or folder (default Mask2Former Swin-S COCO)."),
     clip: Optional[str] = typer.Option(None, help="CLIP for colours (default openai/clip-vit-large-patch14)."),
-    model: str = typer.Option(TINY_MODEL, help=_MODEL),
-    lora: Optional[Path] = typer.Option(None, help="LoRA adapter folder."),
-    images: Optional[Path] = typer.Option(None, help="Judge this folder of images (GenEval layout) instead of generating."),
-    images_per_prompt: int = typer.Option(4), steps: int = typer.Option(40, help="ODE steps."),
-    guidance: Optional[float] = _GUIDANCE, resolution: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
-    batch_size: int = typer.Option(8), max_sequence_length: Optional[int] = _TEXT_LENGTH, device: str = _DEVICE,
-    dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
+    model: str = opt(EvalConfig, "model"),
+    family: Optional[str] = opt(EvalConfig, "family"),
+    lora: Optional[Path] = opt(EvalConfig, "lora"),
+    images: Optional[Path] = opt(EvalConfig, "images"),
+    images_per_prompt: int = opt(EvalConfig, "images_per_prompt"), steps: int = opt(EvalConfig, "steps"),
+    guidance: Optional[float] = opt(EvalConfig, "guidance"), resolution: Optional[int] = opt(EvalConfig, "resolution"),
+    seed: int = opt(EvalConfig, "seed"), batch_size: int = opt(EvalConfig, "batch_size"),
+    max_sequence_length: Optional[int] = opt(EvalConfig, "max_sequence_length"),
+    grid_prompts: int = opt(EvalConfig, "grid_prompts"), overwrite: bool = opt(EvalConfig, "overwrite"),
+    device: str = opt(EvalConfig, "device"), dtype: str = opt(EvalConfig, "dtype"),
+    rank: Optional[int] = opt(EvalConfig, "rank"), world_size: Optional[int] = opt(EvalConfig, "world_size"),
 ) -> None:
     """The GenEval protocol: accuracy per task and overall (unweighted mean of the 6 tasks)."""
     opts = [f"geneval.{k}={v}" for k, v in (("detector", detector), ("clip", clip)) if v]
-    _eval("geneval", model, lora, metadata, out, images, [], opts, images_per_prompt, steps, guidance,
-          resolution, seed, batch_size, max_sequence_length, device, dtype, rank, world_size)
+    _eval("geneval", out, metadata, lora, images, [], opts, model=model, family=family,
+          images_per_prompt=images_per_prompt, steps=steps, guidance=guidance, resolution=resolution, seed=seed,
+          batch_size=batch_size, max_sequence_length=max_sequence_length, grid_prompts=grid_prompts,
+          overwrite=overwrite, device=device, dtype=dtype, rank=rank, world_size=world_size)
 
 
 @eval_app.command("compare")
 def eval_compare(
-    entry: List[str] = typer.Option(..., help="NAME=MODEL or NAME=MODEL+LORA_FOLDER, repeatable: one column each, "
-                                             "the first is the base the others are compared with."),
-    out: Path = typer.Option(..., "--out", help="Output folder: entries/, compare.md|csv|json, grid.png."),
+    entry: List[str] = opt(CompareConfig, "entries", "--entry", required=True),
+    out: Path = opt(CompareConfig, "out", "--out", required=True),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Test prompts: .txt or .jsonl (GenEval metadata "
                                                                    "for --geneval; default there: GenEval's 553)."),
     reward: List[str] = typer.Option([], help="NAME (repeatable): a reward as a metric, e.g. pickscore, imagereward."),
     reward_opt: List[str] = typer.Option([], help="NAME.OPTION=VALUE (repeatable)."),
-    geneval: bool = typer.Option(False, help="Also GenEval's accuracy (overall and per task) on the same images."),
+    geneval: bool = opt(CompareConfig, "geneval"),
     detector: Optional[str] = typer.Option(None, help="GenEval detector id or folder (shapes: the tiny-shapes one)."),
-    images_per_prompt: int = typer.Option(4), steps: int = typer.Option(40, help="ODE steps."),
-    guidance: Optional[float] = _GUIDANCE, resolution: Optional[int] = typer.Option(None), seed: int = typer.Option(0),
-    batch_size: int = typer.Option(8), max_sequence_length: Optional[int] = _TEXT_LENGTH, device: str = _DEVICE,
-    dtype: str = _DTYPE, rank: Optional[int] = _RANK, world_size: Optional[int] = _WORLD,
-    overwrite: bool = typer.Option(False, help="Redo every entry's evaluation from scratch (other options, same --out)."),
+    clip: Optional[str] = typer.Option(None, help="GenEval's CLIP for colours (default openai/clip-vit-large-patch14)."),
+    images_per_prompt: int = opt(EvalConfig, "images_per_prompt"), steps: int = opt(EvalConfig, "steps"),
+    guidance: Optional[float] = opt(EvalConfig, "guidance"), resolution: Optional[int] = opt(EvalConfig, "resolution"),
+    seed: int = opt(EvalConfig, "seed"), batch_size: int = opt(EvalConfig, "batch_size"),
+    max_sequence_length: Optional[int] = opt(EvalConfig, "max_sequence_length"),
+    grid_prompts: int = opt(EvalConfig, "grid_prompts"),
+    device: str = opt(EvalConfig, "device"), dtype: str = opt(EvalConfig, "dtype"),
+    rank: Optional[int] = opt(EvalConfig, "rank"), world_size: Optional[int] = opt(EvalConfig, "world_size"),
+    overwrite: bool = opt(EvalConfig, "overwrite", help="Redo every entry's evaluation from scratch (other options, same --out)."),
 ) -> None:
     """Models/adapters x metrics on the same prompts and seeds: one table (mean ± s.e. over prompts, paired
     differences from the first entry) in Markdown, CSV and JSON, and a grid of each prompt across entries."""
     from tpkit import compare
-    from tpkit.config import CompareConfig, EvalConfig, parse_reward_options, parse_reward_specs
+    from tpkit.config import parse_reward_options, parse_reward_specs
 
     protocol = EvalConfig(
         prompts=str(prompts) if prompts else "", rewards={r: 1.0 for r in parse_reward_specs(reward)} if reward else {},
         reward_options=parse_reward_options(reward_opt), images_per_prompt=images_per_prompt, steps=steps,
-        guidance=guidance, resolution=resolution, seed=seed, batch_size=batch_size, max_sequence_length=max_sequence_length, device=device, dtype=dtype,
-        rank=rank, world_size=world_size, overwrite=overwrite)
+        guidance=guidance, resolution=resolution, seed=seed, batch_size=batch_size, max_sequence_length=max_sequence_length,
+        grid_prompts=grid_prompts, device=device, dtype=dtype, rank=rank, world_size=world_size, overwrite=overwrite)
+    geneval_options = {k: v for k, v in (("detector", detector), ("clip", clip)) if v}
     manifest = compare.run(CompareConfig(entries=list(entry), protocol=protocol, out=str(out), geneval=geneval,
-                                         geneval_options={"detector": detector} if detector else {}))
+                                         geneval_options=geneval_options))
     if manifest:
         from tpkit.ui import console
 

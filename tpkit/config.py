@@ -1,7 +1,8 @@
 """Typed configuration of every stage, validated up front with messages that say what to change.
 
 Each stage's dataclass is what its CLI command builds from flags and what a recipe section
-holds; its resolved form (`asdict`) is saved into the stage's manifest.
+holds; its resolved form (`asdict`) is saved into the stage's manifest. A field's default and help
+text are declared here once (`doc`); the CLI's options take both from the field (`tpkit.cli.opt`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,40 @@ STD_MODES = ("group", "global")
 TRACKERS = ("none", "tensorboard", "wandb")  # --log-with (tpkit.tracking)
 PRECISIONS = ("no", "fp16", "bf16")
 KL_MODES = ("release", "exact")
+
+
+def doc(default: Any = MISSING, help: str | None = None, *, factory: Any = MISSING) -> Any:
+    """A dataclass field with the help text its CLI option shows: `steps: int = doc(10, "Sampling steps T.")`."""
+    return field(default=default, default_factory=factory, metadata={"help": help} if help else {})
+
+
+def default(cls: type, name: str) -> Any:
+    """The default of field `name` of config dataclass `cls` (a fresh one for `default_factory` fields)."""
+    f = next((f for f in fields(cls) if f.name == name), None)
+    if f is None:
+        raise AttributeError(f"{cls.__name__} has no field {name!r}")
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def field_help(cls: type, name: str) -> str | None:
+    """The help text of field `name` of `cls` (None: the field has none)."""
+    return next(f.metadata.get("help") for f in fields(cls) if f.name == name)
+
+
+# Help of fields several stages share.
+_MODEL = ("Hub id, local folder, or a built-in model: tiny-sd3, tiny-flux (random, built locally), "
+          "tiny-shapes (pretrained, shipped).")
+_FAMILY = "Model family, sd3 or flux (default: from the model: its model_index.json, else its name)."
+_GUIDANCE = ("Guidance scale (default: the model's, as the release: CFG 4.5 for SD3.5, "
+             "distilled guidance 3.5 for FLUX.1-dev).")
+_TEXT_LENGTH = "T5 tokens per prompt (default: the model's; 128 for SD3.5, as the release)."
+_RESOLUTION = "Image size in pixels (default: the model's; 512, 64 for the tiny ones)."
+_OVERWRITE = "Clear the output folder first and redo the stage."
+_DEVICE = "cuda, cpu, cuda:1 ... (auto: cuda if available)."
+_DTYPE = "Model dtype: auto (bf16 on CUDA, float32 on CPU), float32, bf16, fp16."
+_RANK = "This process's rank (default: $RANK or 0)."
+_WORLD = "Number of processes (default: $WORLD_SIZE or 1)."
+
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
@@ -101,29 +136,30 @@ def _model_defaults(cfg) -> None:
 
 @dataclass
 class RolloutConfig:
-    model: str = TINY_MODEL
-    family: str | None = None  # None: the model's (tpkit.models.family_of); sd3 | flux
-    prompts: str = ""
-    out: str = ""
-    group_size: int = 24
-    steps: int = 10
-    guidance: float | None = None  # None: the model's (4.5 for SD3.5)
-    resolution: int | None = None  # None: the model's (512; 64 for tiny-sd3)
-    sampler: str = "cps"
-    noise_level: float = 0.7
-    window_size: int = 9
-    window_range: tuple[int, int] = (0, 9)
-    seed: int = 0
-    lora: str | None = None
-    prompts_per_shard: int = 4
-    batch_size: int = 8  # trajectories per transformer batch (CFG doubles it)
-    max_sequence_length: int | None = None  # T5 tokens per prompt; None: the model's (128, the release's)
-    dtype: str = "auto"  # auto: bf16 on CUDA, float32 on CPU
-    device: str = "auto"
-    prompts_per_round: int = 0  # 0: every prompt; N: a seeded random subset of N prompts
-    overwrite: bool = False  # clear the output folder first and redo the stage
-    rank: int | None = None  # None: $RANK or 0
-    world_size: int | None = None  # None: $WORLD_SIZE or 1
+    model: str = doc(TINY_MODEL, _MODEL)
+    family: str | None = doc(None, _FAMILY)  # None: tpkit.models.family_of
+    prompts: str = doc("", ".txt (one prompt a line) or .jsonl (objects with \"prompt\").")
+    out: str = doc("", "Output folder for shards and manifest.json.")
+    group_size: int = doc(24, "Trajectories per prompt (the GRPO group).")
+    steps: int = doc(10, "Sampling steps T.")
+    guidance: float | None = doc(None, _GUIDANCE)
+    resolution: int | None = doc(None, _RESOLUTION)
+    sampler: str = doc("cps", "sde (Flow-GRPO) or cps (coefficients-preserving; the paper's).")
+    noise_level: float = doc(0.7, "Noise level a of the stochastic sampler.")
+    window_size: int = doc(9, "K: number of consecutive stochastic steps.")
+    window_range: tuple[int, int] = doc((0, 9), "LO HI: the window start is drawn from [LO, HI - K].")
+    seed: int = doc(0, "Base seed; each trajectory's seed derives from (seed, prompt, member).")
+    lora: str | None = doc(None, "LoRA adapter folder from `tpkit train` (the current policy).")
+    prompts_per_shard: int = doc(4, "Prompt groups per shard (groups never split).")
+    batch_size: int = doc(8, "Trajectories per transformer batch (CFG doubles it).")
+    max_sequence_length: int | None = doc(None, _TEXT_LENGTH)
+    dtype: str = doc("auto", _DTYPE)
+    device: str = doc("auto", _DEVICE)
+    prompts_per_round: int = doc(0, "0: every prompt; N: a random subset of N prompts, drawn from the seed "
+                                    "(file order kept).")
+    overwrite: bool = doc(False, _OVERWRITE)
+    rank: int | None = doc(None, _RANK)
+    world_size: int | None = doc(None, _WORLD)
 
     def __post_init__(self) -> None:
         self.window_range = tuple(self.window_range)
@@ -161,21 +197,21 @@ class RolloutConfig:
 
 @dataclass
 class ScoreConfig:
-    rollout: str = ""
-    out: str = ""
-    rewards: dict[str, float] = field(default_factory=lambda: {"jpeg-compressibility": 1.0})
-    reward_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    branches: str = "all"
-    batch_size: int = 16  # branches per transformer batch (CFG doubles it)
-    decode_batch_size: int = 8
-    reward_workers: int = 1  # threads scoring images while the transformer runs; 0: score inline
-    branch_steps: int = 0  # 0: exact ODE completion; N: at most N steps per branch (faster, approximate)
-    on_nan: str = "stop"  # a non-finite reward: stop and list the trajectories, or drop them (counted)
-    overwrite: bool = False  # clear the output folder first and redo the stage
-    dtype: str = "auto"
-    device: str = "auto"
-    rank: int | None = None
-    world_size: int | None = None
+    rollout: str = doc("", "Folder written by `tpkit rollout`.")
+    out: str = doc("", "Output folder for scores Parquet and manifest.json.")
+    rewards: dict[str, float] = field(default_factory=lambda: {"jpeg-compressibility": 1.0})  # name -> weight
+    reward_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> its options (model paths ...)
+    branches: str = doc("all", "all: R_0..R_K (TP-GRPO); final: only R_K (Flow-GRPO).")
+    batch_size: int = doc(16, "Branches per transformer batch (CFG doubles it).")
+    decode_batch_size: int = doc(8, "Images per VAE decode and reward call.")
+    reward_workers: int = doc(1, "Threads scoring images while the transformer runs (0: inline).")
+    branch_steps: int = doc(0, "0: exact branches; N: at most N ODE steps per branch (faster, approximate).")
+    on_nan: str = doc("stop", "A NaN/infinite reward: stop (list the trajectories) or drop them.")
+    overwrite: bool = doc(False, _OVERWRITE)
+    dtype: str = doc("auto", _DTYPE)
+    device: str = doc("auto", _DEVICE)
+    rank: int | None = doc(None, _RANK)
+    world_size: int | None = doc(None, _WORLD)
 
     def validate(self) -> "ScoreConfig":
         check_types(self)
@@ -193,12 +229,12 @@ class ScoreConfig:
 
 @dataclass
 class AdvantagesConfig:
-    scores: str = ""
-    out: str = ""
-    method: str = "tp-grpo"
-    balance: str = "all"
-    std: str = "group"
-    overwrite: bool = False  # clear the output folder first and redo the stage
+    scores: str = doc("", "Folder of scores Parquet files, or one file.")
+    out: str = doc("", "Output folder for advantages.parquet and manifest.json.")
+    method: str = doc("tp-grpo", "tp-grpo (turning points) or flow-grpo (r_k = R_K).")
+    balance: str = doc("all", "all: balance positive/negative turning points; none: keep all.")
+    std: str = doc("group", "group: per-prompt std; global: std over all trajectories per step.")
+    overwrite: bool = doc(False, _OVERWRITE)
 
     def validate(self) -> "AdvantagesConfig":
         check_types(self)
@@ -211,27 +247,27 @@ class AdvantagesConfig:
 @dataclass
 class EvalConfig:
     kind: str = "reward"  # reward | geneval
-    model: str = TINY_MODEL
-    family: str | None = None  # None: the model's (tpkit.models.family_of); sd3 | flux
-    lora: str | None = None
-    prompts: str = ""  # .txt/.jsonl; for geneval GenEval metadata jsonl
-    out: str = ""
-    images: str | None = None  # score this GenEval-layout folder instead of generating
-    rewards: dict[str, float] = field(default_factory=dict)
-    reward_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    images_per_prompt: int = 4
-    steps: int = 40
-    guidance: float | None = None  # None: the model's (4.5 for SD3.5)
-    resolution: int | None = None
-    seed: int = 0
-    batch_size: int = 8
-    max_sequence_length: int | None = None  # T5 tokens per prompt; None: the model's (128, the release's)
-    grid_prompts: int = 8  # prompts shown per grid PNG
-    overwrite: bool = False  # clear the output folder first and redo the stage
-    dtype: str = "auto"
-    device: str = "auto"
-    rank: int | None = None
-    world_size: int | None = None
+    model: str = doc(TINY_MODEL, _MODEL)
+    family: str | None = doc(None, _FAMILY)  # None: tpkit.models.family_of
+    lora: str | None = doc(None, "LoRA adapter folder (e.g. runs/NAME/round-NNNN/train/adapter).")
+    prompts: str = doc("", "Test prompts: .txt or .jsonl.")  # geneval: GenEval metadata; "": GenEval's 553
+    out: str = doc("", "Output folder: images/, results.jsonl, summary.json, grid PNGs.")
+    images: str | None = doc(None, "Evaluate this folder of images (GenEval layout) instead of generating.")
+    rewards: dict[str, float] = field(default_factory=dict)  # name -> weight
+    reward_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> its options
+    images_per_prompt: int = doc(4, "Images per prompt.")
+    steps: int = doc(40, "ODE steps.")
+    guidance: float | None = doc(None, _GUIDANCE)
+    resolution: int | None = doc(None, _RESOLUTION)
+    seed: int = doc(0, "Base seed; each image's seed derives from (seed, prompt, image).")
+    batch_size: int = doc(8, "Images per transformer batch (CFG doubles it).")
+    max_sequence_length: int | None = doc(None, _TEXT_LENGTH)
+    grid_prompts: int = doc(8, "Prompts shown per grid PNG.")
+    overwrite: bool = doc(False, _OVERWRITE)
+    dtype: str = doc("auto", _DTYPE)
+    device: str = doc("auto", _DEVICE)
+    rank: int | None = doc(None, _RANK)
+    world_size: int | None = doc(None, _WORLD)
 
     def validate(self) -> "EvalConfig":
         check_types(self)
@@ -252,10 +288,11 @@ class EvalConfig:
 @dataclass
 class CompareConfig:
     """`tpkit eval compare`: every entry evaluated with one protocol (same prompts, seeds, sampler)."""
-    entries: list[str] = field(default_factory=list)  # NAME=MODEL or NAME=MODEL+LORA_FOLDER, in table order
+    entries: list[str] = doc(factory=list, help="NAME=MODEL or NAME=MODEL+LORA_FOLDER, repeatable: one column each, "
+                                                "the first is the base the others are compared with.")
     protocol: EvalConfig = field(default_factory=EvalConfig)  # prompts, rewards, sampler; model/lora/out per entry
-    out: str = ""
-    geneval: bool = False  # also GenEval's verdict on the same images (prompts must be GenEval metadata)
+    out: str = doc("", "Output folder: entries/, compare.md|csv|json, grid.png.")
+    geneval: bool = doc(False, "Also GenEval's accuracy (overall and per task) on the same images.")
     geneval_options: dict[str, Any] = field(default_factory=dict)  # detector, clip
 
     def parsed(self) -> list[tuple[str, str, str | None]]:
@@ -307,39 +344,47 @@ def lora_targets(targets: list[str] | None, family: str) -> list[str]:
 
 @dataclass
 class TrainConfig:
-    rollout: str = ""
-    advantages: str = ""
-    out: str = ""
-    init_lora: str | None = None  # adapter/ of a previous round; its sibling state/ continues the optimizer
-    lora_rank: int = 32
-    lora_alpha: int = 64
-    lora_targets: list[str] | None = None  # None: the model family's (the release's); checked by train
-    learning_rate: float = 3e-4
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_weight_decay: float = 1e-4
-    adam_epsilon: float = 1e-8
-    clip_range: float = 1e-5
-    adv_clip: float = 5.0
-    beta: float = 1e-4  # KL weight; 0 skips the reference pass
-    kl: str = "release"  # release: mean((mu - mu_ref)^2) / (2 s^2) with the release's s; exact: the Gaussian KL
-    optimizer_steps: int = 2  # per round; the transitions are split evenly among them
-    micro_batch_size: int = 0  # 0: replay the rollout's own batches (first-step ratio exactly 1)
-    max_grad_norm: float = 1.0
-    mixed_precision: str = "no"
-    drop_zero_advantage: bool = True  # leave trajectories whose advantage is 0 at every step out of the loss
-    allow_no_op: bool = False  # a round with nothing to learn (all advantages 0, every step non-finite) is not an error
-    ema: bool = False  # adapter/ holds the EMA weights, adapter-raw/ the trained ones
-    ema_decay: float = 0.9  # the release's, reached after a warm-up min((1 + g) / (10 + g), decay)
-    ema_every: int = 8  # update the EMA every N optimizer steps (the release's 8)
-    gradient_checkpointing: bool = False
-    max_bad_steps: int = 3  # stop after this many non-finite losses in a row
-    checkpoint_every: int = 1  # save adapter + optimizer every N optimizer steps (0: only at the end)
-    overwrite: bool = False  # clear the output folder first and redo the stage
-    log_with: str = "none"  # none | tensorboard | wandb: train metrics per optimizer step (tpkit.tracking)
-    seed: int = 0
-    dtype: str = "auto"
-    device: str = "auto"
+    rollout: str = doc("", "Folder written by `tpkit rollout`.")
+    advantages: str = doc("", "Folder written by `tpkit advantages`, or its advantages.parquet.")
+    out: str = doc("", "Output folder: adapter/, state/, metrics.jsonl, manifest.json.")
+    init_lora: str | None = doc(None, "adapter/ of a previous round (its state/ is continued too).")
+    lora_rank: int = doc(32, "LoRA rank r.")
+    lora_alpha: int = doc(64, "LoRA alpha.")
+    lora_targets: list[str] | None = doc(  # None: the model family's; checked by train
+        None, "Modules to adapt (repeatable; default: the model family's, as the release: SD3's joint-attention "
+              "projections, FLUX's attention and double-block feed-forward layers; SD3.5's second attention "
+              "(attn2.to_q ...) and FLUX's single-block proj_mlp/proj_out are opt-in).")
+    learning_rate: float = doc(3e-4, "AdamW learning rate.")
+    adam_beta1: float = doc(0.9, "AdamW beta1.")
+    adam_beta2: float = doc(0.999, "AdamW beta2.")
+    adam_weight_decay: float = doc(1e-4, "AdamW weight decay.")
+    adam_epsilon: float = doc(1e-8, "AdamW epsilon.")
+    clip_range: float = doc(1e-5, "PPO clip range eps of the ratio.")
+    adv_clip: float = doc(5.0, "Advantages are clamped to [-x, x].")
+    beta: float = doc(1e-4, "KL weight; 0 skips the reference pass.")
+    kl: str = doc("release", "release: the KL on the release's scale (sde: without its dt, so published weights "
+                             "mean the same); exact: the Gaussian KL.")  # release: mean((mu - mu_ref)^2) / (2 s^2)
+    optimizer_steps: int = doc(2, "Optimizer steps per round (transitions split evenly).")
+    micro_batch_size: int = doc(0, "0: replay the rollout's batches (first ratio exactly 1); N: split them.")
+    max_grad_norm: float = doc(1.0, "Gradient-norm clip.")
+    mixed_precision: str = doc("no", "no, fp16 or bf16 (accelerate autocast).")
+    drop_zero_advantage: bool = doc(True, "Leave trajectories whose advantage is 0 at every step out of the loss "
+                                          "(as the release).")
+    allow_no_op: bool = doc(False, "Accept a round with nothing to learn (every advantage 0, or every step non-finite): "
+                                   "save the adapter unchanged instead of failing.")
+    ema: bool = doc(False, "Keep an EMA of the LoRA: adapter/ is then the EMA, adapter-raw/ the trained weights.")
+    ema_decay: float = doc(0.9, "EMA decay (after the release's warm-up).")  # warm-up: min((1 + g) / (10 + g), decay)
+    ema_every: int = doc(8, "Update the EMA every N optimizer steps.")  # the release's 8
+    gradient_checkpointing: bool = doc(False, "Trade compute for activation memory.")
+    max_bad_steps: int = doc(3, "Stop after this many non-finite steps in a row.")
+    checkpoint_every: int = doc(1, "Save a resumable checkpoint (adapter + optimizer) every N optimizer steps "
+                                   "(0: only the final save).")
+    overwrite: bool = doc(False, _OVERWRITE)
+    log_with: str = doc("none", "Track the metrics of every optimizer step: none, tensorboard (OUT/tensorboard/) "
+                                "or wandb (OUT/wandb/; offline without network).")
+    seed: int = doc(0, "Seed of the micro-batch order.")
+    dtype: str = doc("auto", _DTYPE)
+    device: str = doc("auto", _DEVICE)
 
     def validate(self) -> "TrainConfig":
         check_types(self)
