@@ -99,8 +99,52 @@ def test_cli_rewards_and_shared_models(tmp_path):
 def test_missing_extra_names_the_pip_fix(tmp_path, monkeypatch):
     real = doctor._version
     monkeypatch.setattr(doctor, "_version", lambda dist: None if dist == "rapidfuzz" else real(dist))
-    c = by_name(doctor.run(out=str(tmp_path), rewards=["ocr"]))["reward ocr: extras"]
+    checks = by_name(doctor.run(out=str(tmp_path), rewards=["ocr"]))
+    c = checks["reward ocr: extras"]
     assert not c.ok and c.level == "error" and "rapidfuzz" in c.detail and c.fix == "pip install 'tpkit[ocr]'"
+    assert "reward ocr: text detector" not in checks  # its model files are not looked for without the extra
+
+
+def test_rewards_declare_their_model_files(tmp_path, monkeypatch):
+    """The model files come from the reward's module: ocr's from the rapidocr wheel, none for the
+    weight-free shapes detector of geneval, and a reward's own error (with its fix) when it cannot say."""
+    from tpkit import ocr
+    from tpkit.errors import ModelError
+
+    c = by_name(doctor.run(out=str(tmp_path), rewards=["ocr", "geneval"], reward_opts=["geneval.detector=shapes"]))
+    assert c["reward ocr: text detector"].ok and c["reward ocr: text detector"].detail.endswith(".onnx")
+    assert c["reward ocr: text recogniser"].ok
+    assert [name for name in c if name.startswith("reward geneval")] == ["reward geneval: extras"]
+    assert c["reward geneval: extras"].ok
+
+    def broken_wheel(module):
+        raise ModelError("no det model", "reinstall it")
+
+    monkeypatch.setattr(ocr, "_wheel_models", broken_wheel)
+    c = by_name(doctor.run(out=str(tmp_path), rewards=["ocr"]))["reward ocr"]
+    assert not c.ok and "no det model" in c.detail and c.fix == "reinstall it"
+
+
+def test_shapes_recipe_needs_no_downloads(tmp_path):
+    checks = doctor.run(str(ROOT / "pipelines" / "shapes-tpgrpo.toml"), out=str(tmp_path / "run"))
+    assert failed(checks) == [], failed(checks)
+
+
+def test_requirements_from_pyproject(monkeypatch):
+    """Minimum versions and the extras' packages come from tpkit's metadata, else from pyproject.toml."""
+    import importlib.metadata
+
+    installed = doctor._requirements()
+    assert installed[""]["torch"].startswith(">=") and set(installed["ocr"]) == {"rapidocr", "onnxruntime", "rapidfuzz"}
+    real = importlib.metadata.requires
+
+    def not_installed(dist):
+        if dist == "tpkit":
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return real(dist)
+
+    monkeypatch.setattr(importlib.metadata, "requires", not_installed)
+    assert doctor._requirements() == installed
 
 
 def _fake_cached_pipeline(cache: Path, repo: str, complete: bool) -> Path:

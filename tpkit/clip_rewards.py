@@ -170,6 +170,12 @@ def pickscore(options: dict) -> RewardFn:
     return score
 
 
+def pickscore_files(options: dict) -> list[tuple]:
+    """What pickscore loads (see rewards.REQUIREMENTS): CLIP weights, and the processor from another repo."""
+    return [("model", str(options.get("model", PICKSCORE_MODEL)), "clip-model", "model"),
+            ("processor", str(options.get("processor", PICKSCORE_PROCESSOR)), "processor", "processor")]
+
+
 def clipscore(options: dict) -> RewardFn:
     """CLIP-S (Hessel et al. 2021): `weight * max(cos(image, prompt), 0)` with CLIP ViT-L/14, weight 2.5.
 
@@ -184,6 +190,11 @@ def clipscore(options: dict) -> RewardFn:
         return (weight * clip.cosine(images, prompts).clamp(min=0)).tolist()
 
     return score
+
+
+def clipscore_files(options: dict) -> list[tuple]:
+    """What clipscore loads (see rewards.REQUIREMENTS): a CLIP model with its processor."""
+    return [("model", str(options.get("model", CLIP_L14)), "clip", "model")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,3 +262,9 @@ def aesthetic(options: dict) -> RewardFn:
             return head(embeds.to(clip.device)).squeeze(-1).float().cpu().tolist()
 
     return score
+
+
+def aesthetic_files(options: dict) -> list[tuple]:
+    """What aesthetic loads (see rewards.REQUIREMENTS): a CLIP model with its processor, and the head's file."""
+    return [("model", str(options.get("model", CLIP_L14)), "clip", "model"),
+            ("head", str(options.get("head", AESTHETIC_HEAD)), "file", "head")]

@@ -13,6 +13,10 @@ the model family's pipeline classes; the recipe (loaded with `tpkit.config.load_
 free space, an estimate of what the recipe writes); the model (tiny-sd3, a local folder or a hub id in
 the HF cache, complete); each reward (known, its optional extras, its model files); the hub
 (reachable?); $TPKIT_HOME and the HF cache.
+
+What is checked comes from where it is declared: versions and extras from pyproject (tpkit's
+metadata), a model's sizes and pipeline class from its family (`tpkit.models`), a reward's extra
+and model files from the reward (`tpkit.rewards.REQUIREMENTS`).
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import shutil
 import sys
 import tempfile
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from tpkit.config import FLUX_MODEL, SHAPES_MODEL, TINY_MODEL
 
@@ -37,31 +42,20 @@ GiB = 1024**3
 MiB = 1024**2
 LOW_DISK_GIB = 20  # warn when the run folder has less free space than this
 HUB_TIMEOUT = 1.5  # seconds for the hub reachability probe
-LEVELS = ("error", "warning", "info")
 
-# The libraries every stage needs (pip name, import name); their minimum versions come from tpkit's
-# own metadata (pyproject), else from _FALLBACK_MINIMUMS.
-CORE_PACKAGES = (("diffusers", "diffusers"), ("transformers", "transformers"), ("peft", "peft"),
-                 ("accelerate", "accelerate"), ("pyarrow", "pyarrow"), ("webdataset", "webdataset"),
-                 ("huggingface-hub", "huggingface_hub"), ("safetensors", "safetensors"))
-_FALLBACK_MINIMUMS = {"torch": "2.4", "diffusers": "0.35", "transformers": "4.45", "peft": "0.13", "accelerate": "1.0",
-                      "pyarrow": "15", "webdataset": "0.2.90", "safetensors": "0.4", "rapidocr": "3",
-                      "onnxruntime": "1.17", "rapidfuzz": "3", "scipy": "1.10"}
-# Optional extras per reward: (pip name, import name), and the extra that installs them.
-EXTRAS = {
-    "ocr": ("ocr", (("rapidocr", "rapidocr"), ("onnxruntime", "onnxruntime"), ("rapidfuzz", "rapidfuzz"))),
-    "geneval": ("geneval", (("scipy", "scipy"),)),
-    "geneval-strict": ("geneval", (("scipy", "scipy"),)),
-}
-WEIGHT_FREE = ("jpeg-compressibility", "jpeg-incompressibility", "brightness")
+# The libraries every stage needs (pip names; the import name has _ for -). Their minimum versions
+# come from tpkit's requirements (pyproject), as do the packages of the rewards' extras.
+CORE_PACKAGES = ("diffusers", "transformers", "peft", "accelerate", "pyarrow", "webdataset", "huggingface-hub",
+                 "safetensors")
+TORCHVISION_FIX = "pip uninstall torchvision (a torchvision built for another torch breaks transformers/diffusers)"
 
-# Files a model folder must hold, by what tpkit loads from it. Each entry is a group of alternatives;
-# "@weights" means weight files (single or sharded, every shard present).
+# Files a model folder must hold, by the kind of model a reward loads (see tpkit.rewards.REQUIREMENTS).
+# Each entry is a group of alternatives; "@weights" means weight files (single or sharded, every shard present).
 _CONFIG = ("config.json",)
 _WEIGHTS = ("@weights",)
 _IMAGE_PROC = ("preprocessor_config.json",)
 _TOKENIZER = ("tokenizer.json", "vocab.json")
-NEEDS = {
+FOLDER_FILES = {
     "clip-model": (_CONFIG, _WEIGHTS),  # CLIPModel weights only (PickScore: processor separate)
     "processor": (_IMAGE_PROC, _TOKENIZER),  # CLIPProcessor files only
     "clip": (_CONFIG, _WEIGHTS, _IMAGE_PROC, _TOKENIZER),  # model + its own processor
@@ -86,11 +80,7 @@ class Check:
     ok: bool
     detail: str
     fix: str | None = None
-    level: str = "error"
-
-    def __post_init__(self) -> None:
-        if self.level not in LEVELS:
-            raise ValueError(f"level {self.level!r} is not one of {LEVELS}")
+    level: str = "error"  # error | warning | info
 
 
 @dataclass
@@ -103,10 +93,8 @@ class _Context:
     pipeline_imports_ok: bool = False
     hub_ok: bool | None = None
 
-    def add(self, name: str, ok: bool, detail: str, fix: str | None = None, level: str = "error") -> Check:
-        c = Check(name, bool(ok), detail, fix if not ok else None, level)
-        self.checks.append(c)
-        return c
+    def add(self, name: str, ok: bool, detail: str, fix: str | None = None, level: str = "error") -> None:
+        self.checks.append(Check(name, bool(ok), detail, fix if not ok else None, level))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,18 +113,34 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _minimums() -> dict[str, str]:
-    """Package -> specifier (e.g. '>=2.4') from tpkit's installed metadata, else the fallback list."""
-    out = {k: f">={v}" for k, v in _FALLBACK_MINIMUMS.items()}
+def _requirements(dist: str = "tpkit") -> dict[str, dict[str, str]]:
+    """A package's requirements as {extra ("" for the core ones): {pip name: specifier such as '>=2.4'}},
+    from its installed metadata; tpkit's, when it is not pip-installed, from pyproject.toml beside it."""
     try:
-        reqs = importlib.metadata.requires("tpkit") or []
+        reqs = importlib.metadata.requires(dist) or []
     except importlib.metadata.PackageNotFoundError:
-        return out
+        reqs = _pyproject_requirements() if dist == "tpkit" else []
+    out: dict[str, dict[str, str]] = {}
     for req in reqs:
-        m = re.match(r"\s*([A-Za-z0-9_.\-]+)\s*([<>=!~][^;]*)?", req)
-        if m and m.group(2) and not m.group(1).startswith("tpkit"):
-            out[m.group(1).lower()] = m.group(2).strip()
+        m = re.match(r"\s*([\w.-]+)\s*([<>=!~][^;]*)?(?:;.*extra\s*==\s*[\"']([\w-]+))?", req)
+        if m and m.group(1) != dist:  # not tpkit[ocr,...] (tpkit's dev extra)
+            name, spec = m.group(1).lower().replace("_", "-"), (m.group(2) or "").strip()
+            out.setdefault(m.group(3) or "", {})[name] = spec
     return out
+
+
+def _pyproject_requirements() -> list[str]:
+    """pyproject.toml's requirements, written as the installed metadata writes them."""
+    import tpkit
+
+    try:
+        import tomllib
+
+        project = tomllib.loads((Path(tpkit.__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    except (ImportError, OSError, ValueError, KeyError):
+        return []
+    extras = project.get("optional-dependencies", {})
+    return project.get("dependencies", []) + [f'{r}; extra == "{e}"' for e, rs in extras.items() for r in rs]
 
 
 def _satisfies(version: str, spec: str | None) -> bool:
@@ -149,6 +153,18 @@ def _satisfies(version: str, spec: str | None) -> bool:
         return Version(version) in SpecifierSet(spec)
     except Exception:  # packaging missing or an odd local version: do not cry wolf
         return True
+
+
+def _package(dist: str, spec: str) -> tuple[str | None, str | None]:
+    """(installed version, what is wrong with it or None): not installed, does not import, too old."""
+    version = _version(dist)
+    if version is None:
+        return None, "not installed"
+    try:
+        importlib.import_module(dist.replace("-", "_"))
+    except Exception as e:
+        return version, f"does not import: {_first_line(e)}"
+    return version, (None if _satisfies(version, spec) else f"tpkit needs {spec}")
 
 
 def _gib(n: float) -> str:
@@ -164,6 +180,14 @@ def _nearest_existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
+
+
+def _free(path: Path) -> int | None:
+    """Free bytes on the disk of path (or of its nearest existing parent); None if unreadable."""
+    try:
+        return shutil.disk_usage(_nearest_existing(path)).free
+    except OSError:
+        return None
 
 
 def _writable(path: Path) -> tuple[bool, str]:
@@ -186,14 +210,8 @@ def hub_cache() -> Path:
     env = os.environ
     if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
         return Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"]).expanduser()
-    return hf_home() / "hub"
-
-
-def hf_home() -> Path:
-    env = os.environ
-    if env.get("HF_HOME"):
-        return Path(env["HF_HOME"]).expanduser()
-    return Path(env.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "huggingface"
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
 
 
 def _is_hub_id(s: str) -> bool:
@@ -204,11 +222,9 @@ def _cached(repo: str, filename: str) -> Path | None:
     """The file's path in the HF cache (revision main), or None; never touches the network."""
     try:
         from huggingface_hub import try_to_load_from_cache
-    except Exception:
-        return None
-    try:
+
         p = try_to_load_from_cache(repo, filename, cache_dir=str(hub_cache()))
-    except Exception:  # an invalid repo id and the like
+    except Exception:  # no huggingface_hub, an invalid repo id and the like
         return None
     return Path(p) if isinstance(p, str) and Path(p).is_file() else None
 
@@ -240,12 +256,14 @@ def _missing_in(folder: Path, needs: Iterable[tuple[str, ...]], prefix: str = ""
             if not ok:
                 missing.append(f"{prefix}{why}")
         elif not any((folder / f).is_file() for f in group):
-            missing.append(prefix + " or ".join(group))
+            missing.append(f"{prefix}{' or '.join(group)} missing")
     return missing
 
 
 def _pipeline_missing(root: Path) -> list[str]:
     """What a diffusers pipeline folder (model_index.json at root) lacks, component by component."""
+    if not (root / "model_index.json").is_file():
+        return ["no model_index.json (not a diffusers pipeline folder)"]
     try:
         index = json.loads((root / "model_index.json").read_text())
     except (OSError, ValueError) as e:
@@ -256,33 +274,59 @@ def _pipeline_missing(root: Path) -> list[str]:
             continue
         cls, folder = str(spec[1]), root / name
         if not folder.is_dir():
-            missing.append(f"{name}/")
+            missing.append(f"{name}/ missing")
         elif "Scheduler" in cls:
             missing += _missing_in(folder, [("scheduler_config.json",)], f"{name}/")
         elif any(k in cls for k in ("Tokenizer", "Processor", "FeatureExtractor")):
             if not any(p.is_file() for p in folder.iterdir()):
-                missing.append(f"{name}/ (empty)")
+                missing.append(f"{name}/ empty")
         else:
             missing += _missing_in(folder, [_CONFIG, _WEIGHTS], f"{name}/")
     return missing
 
 
-def _locate(id_or_path: str, first_files: Iterable[str]) -> tuple[str, Path | None]:
-    """('local', folder) | ('hub', snapshot folder or None) | ('bad', None)."""
-    p = Path(id_or_path).expanduser()
-    if p.exists():
-        return "local", p
-    if not _is_hub_id(id_or_path):
-        return "bad", None
-    for f in first_files:
-        hit = _cached(id_or_path, f)
-        if hit is not None:
-            return "hub", hit.parent
-    return "hub", None
-
-
 def _short(items: list[str], n: int = 4) -> str:
     return ", ".join(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")
+
+
+def _download_fix(ctx: _Context, repo: str, alternative: str, files: str = "") -> str:
+    fix = f"hf download {repo}{files}"
+    if ctx.hub_ok is False:
+        fix += " (where the hub is reachable)"
+    return f"{fix}, or {alternative}"
+
+
+def _snapshot(repo: str, first_files: Iterable[str]) -> Path | None:
+    """repo's folder in the HF cache: where the first of first_files found there lies (None: none is)."""
+    for f in first_files:
+        hit = _cached(repo, f)
+        if hit is not None:
+            return hit.parent
+    return None
+
+
+def _check_folder(ctx: _Context, label: str, id_or_path: str, first_files: Iterable[str],
+                  missing: Callable[[Path], list[str]], alternative: str, local_fix: str, download_fix: str) -> None:
+    """Is a model folder there (a local one, or a hub id's in the HF cache), and complete (`missing(folder)`
+    lists what it lacks)?"""
+    path = Path(id_or_path).expanduser()
+    local = path.exists()
+    if not local and not _is_hub_id(id_or_path):
+        ctx.add(label, False, f"{id_or_path!r}: no such folder, and not a hub id (org/name)", alternative)
+        return
+    folder = path if local else _snapshot(id_or_path, first_files)
+    if folder is None:
+        ctx.add(label, False, f"{id_or_path} is not in the HF cache ({hub_cache()})", download_fix)
+    elif not folder.is_dir():
+        ctx.add(label, False, f"{folder} is not a folder", alternative)
+    else:
+        lacks = missing(folder)
+        where = "(local folder)" if local else "in the HF cache"
+        if lacks:
+            ctx.add(label, False, f"{id_or_path} {where} is incomplete: {_short(lacks)}",
+                    local_fix if local else download_fix)
+        else:
+            ctx.add(label, True, f"{id_or_path} {where}" + ("" if local else f" ({folder})"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,9 +339,8 @@ def _check_python(ctx: _Context) -> None:
     v = sys.version_info
     ctx.add("python", v >= (3, 10), f"Python {v.major}.{v.minor}.{v.micro} ({sys.executable})",
             "use Python 3.10 or newer")
-    where = Path(tpkit.__file__).resolve().parent
     installed = _version("tpkit")
-    detail = f"tpkit {tpkit.__version__} ({where})"
+    detail = f"tpkit {tpkit.__version__} ({Path(tpkit.__file__).resolve().parent})"
     if installed and installed != tpkit.__version__:
         ctx.add("tpkit", False, f"{detail}, but the installed metadata says {installed}",
                 "reinstall: pip install -e . (in the tpkit checkout)", level="warning")
@@ -315,49 +358,48 @@ def _nvidia_present() -> bool:
 
 
 def _check_torch(ctx: _Context, mins: dict[str, str], big_model: bool) -> None:
-    version = _version("torch")
+    spec = mins.get("torch", "")
+    version, problem = _package("torch", spec)
     if version is None:
         ctx.add("torch", False, "not installed",
                 "install PyTorch first: pip install torch (the CUDA build matching your driver on GPU machines)")
         return
-    try:
-        import torch
-    except Exception as e:
-        ctx.add("torch", False, f"torch {version} is installed but does not import: {_first_line(e)}",
-                "reinstall PyTorch: pip install --force-reinstall torch")
+    if problem and problem.startswith("does not import"):
+        ctx.add("torch", False, f"torch {version} {problem}", "reinstall PyTorch: pip install --force-reinstall torch")
         return
+    import torch
+
     ctx.torch = torch
-    spec = mins.get("torch")
     hip = getattr(torch.version, "hip", None)
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else (f"ROCm {hip}" if hip else "CPU build")
-    ok = _satisfies(torch.__version__.split("+")[0], spec)
-    ctx.add("torch", ok, f"torch {torch.__version__} ({build})" + ("" if ok else f", tpkit needs {spec}"),
+    ctx.add("torch", not problem, f"torch {torch.__version__} ({build})" + (f", {problem}" if problem else ""),
             f"pip install 'torch{spec}'")
+    _check_cuda(ctx, torch, big_model)
 
-    # CUDA and the GPUs
+
+def _gpu(torch, i: int) -> str:
+    """'NVIDIA H200 140 GiB (139 free)' for GPU i."""
     try:
-        available = torch.cuda.is_available()
+        props = torch.cuda.get_device_properties(i)
+    except Exception as e:
+        return f"GPU {i}: {_first_line(e)}"
+    text = f"{props.name} {props.total_memory / GiB:.0f} GiB"
+    try:
+        free, _ = torch.cuda.mem_get_info(i)
+        text += f" ({free / GiB:.0f} free)"
     except Exception:
-        available = False
-    ctx.cuda = available
-    if available:
-        gpus = []
-        for i in range(torch.cuda.device_count()):
-            try:
-                props = torch.cuda.get_device_properties(i)
-                text = f"{props.name} {props.total_memory / GiB:.0f} GiB"
-                try:
-                    free, _ = torch.cuda.mem_get_info(i)
-                    text += f" ({free / GiB:.0f} free)"
-                except Exception:
-                    pass
-            except Exception as e:
-                text = f"GPU {i}: {_first_line(e)}"
-            gpus.append(text)
-        counts: dict[str, int] = {}
-        for g in gpus:
-            counts[g] = counts.get(g, 0) + 1
-        ctx.add("cuda", True, f"{len(gpus)} GPU(s): " + "; ".join(f"{n} x {g}" if n > 1 else g for g, n in counts.items()),
+        pass
+    return text
+
+
+def _check_cuda(ctx: _Context, torch, big_model: bool) -> None:
+    try:
+        ctx.cuda = torch.cuda.is_available()
+    except Exception:
+        ctx.cuda = False
+    if ctx.cuda:
+        gpus = Counter(_gpu(torch, i) for i in range(torch.cuda.device_count()))
+        ctx.add("cuda", True, f"{gpus.total()} GPU(s): " + "; ".join(f"{n} x {g}" if n > 1 else g for g, n in gpus.items()),
                 level="info")
         try:
             bf16 = bool(torch.cuda.is_bf16_supported())
@@ -386,22 +428,17 @@ def _check_torch(ctx: _Context, mins: dict[str, str], big_model: bool) -> None:
 
 
 def _check_packages(ctx: _Context, mins: dict[str, str]) -> None:
-    for dist, module in CORE_PACKAGES:
-        version = _version(dist)
-        spec = mins.get(dist) or mins.get(dist.replace("-", "_"))
+    for dist in CORE_PACKAGES:
+        module, spec = dist.replace("-", "_"), mins.get(dist, "")
+        version, problem = _package(dist, spec)
         if version is None:
             ctx.add(module, False, "not installed", "pip install -e . (installs tpkit's requirements)")
-            continue
-        try:
-            importlib.import_module(module)
-        except Exception as e:
-            fix = ("pip uninstall torchvision (a torchvision built for another torch breaks transformers/diffusers)"
-                   if "torchvision" in str(e) else f"pip install --force-reinstall '{dist}{spec or ''}'")
-            ctx.add(module, False, f"{module} {version} does not import: {_first_line(e)}", fix)
-            continue
-        ok = _satisfies(version, spec)
-        ctx.add(module, ok, f"{module} {version}" + ("" if ok else f", tpkit needs {spec}"),
-                f"pip install -U '{dist}{spec}'")
+        elif problem and problem.startswith("does not import"):
+            fix = TORCHVISION_FIX if "torchvision" in problem else f"pip install --force-reinstall '{dist}{spec}'"
+            ctx.add(module, False, f"{module} {version} {problem}", fix)
+        else:
+            ctx.add(module, not problem, f"{module} {version}" + (f", {problem}" if problem else ""),
+                    f"pip install -U '{dist}{spec}'")
 
 
 def _check_torchvision(ctx: _Context) -> None:
@@ -413,18 +450,10 @@ def _check_torchvision(ctx: _Context) -> None:
         return
     fix = "pip uninstall torchvision (tpkit does not need it), or install the torchvision built for your torch"
     torch_version = _version("torch")
-    pinned = None
-    try:
-        requirements = importlib.metadata.requires("torchvision") or []
-    except importlib.metadata.PackageNotFoundError:
-        requirements = []
-    for req in requirements:
-        m = re.match(r"\s*torch\s*==\s*([\w.+]+)", req)
-        if m:
-            pinned = m.group(1)
-    if pinned and torch_version and pinned.split("+")[0] != torch_version.split("+")[0]:
+    pin = _requirements("torchvision").get("", {}).get("torch", "")
+    if pin.startswith("==") and torch_version and not _satisfies(torch_version, pin):
         ctx.add("torchvision", False,
-                f"torchvision {version} is built for torch {pinned}, but torch {torch_version} is installed",
+                f"torchvision {version} is built for torch {pin[2:]}, but torch {torch_version} is installed",
                 fix, level="warning")
         return
     try:
@@ -436,7 +465,7 @@ def _check_torchvision(ctx: _Context) -> None:
     ctx.add("torchvision", True, f"torchvision {version}, imports with transformers' image processors", level="info")
 
 
-def _check_pipeline_imports(ctx: _Context, model: str) -> None:
+def _check_pipeline_imports(ctx: _Context, model: str, mins: dict[str, str]) -> None:
     """The model family's pipeline classes, which every stage loads (and the tiny models' builders)."""
     if ctx.torch is None:
         ctx.add("pipeline", False, "skipped: torch does not import", "fix torch first")
@@ -452,8 +481,8 @@ def _check_pipeline_imports(ctx: _Context, model: str) -> None:
 
         getattr(diffusers, cls)
     except Exception as e:
-        fix = ("pip uninstall torchvision (a torchvision built for another torch breaks these imports)"
-               if "torchvision" in str(e) else "pip install -U 'diffusers>=0.35' 'transformers>=4.45'")
+        packages = f"'diffusers{mins.get('diffusers', '')}' 'transformers{mins.get('transformers', '')}'"
+        fix = TORCHVISION_FIX if "torchvision" in str(e) else f"pip install -U {packages}"
         ctx.add("pipeline", False, f"cannot import the model's diffusers pipeline: {_first_line(e)}", fix)
         return
     ctx.pipeline_imports_ok = True
@@ -471,6 +500,20 @@ def count_prompts(path: str | Path) -> int | None:
             return sum(1 for line in f if line.strip())
     except OSError:
         return None
+
+
+def _check_recipe_details(ctx: _Context, recipe) -> None:
+    """The recipe's prompt files, and settings that do not fit this machine."""
+    files = [("prompts", recipe.rollout.prompts, "rollout.prompts")]
+    if recipe.eval_every and recipe.eval.prompts:
+        files.append(("eval prompts", recipe.eval.prompts, "eval.prompts"))
+    for name, path, key in files:
+        n = count_prompts(path) if path else None
+        ctx.add(name, bool(n), f"{path}: {n} prompt(s)" if n else f"{path or '(none)'}: missing or empty",
+                f"set {key} to a .txt (one prompt a line) or .jsonl file")
+    if recipe.train.mixed_precision == "bf16" and not ctx.cuda:
+        ctx.add("precision", False, "train.mixed_precision = bf16 without a GPU (bf16 autocast on the CPU is slow)",
+                'set train.mixed_precision = "no" on CPU machines', level="warning")
 
 
 def estimate_round_bytes(recipe, cuda: bool) -> tuple[int, str] | None:
@@ -500,25 +543,22 @@ def estimate_round_bytes(recipe, cuda: bool) -> tuple[int, str] | None:
     return total, how
 
 
-def _finished_rounds(run_dir: Path, rounds: int) -> int:
-    return sum(1 for r in range(rounds) if (run_dir / f"round-{r:04d}" / "round.json").is_file())
-
-
 def _check_run_folder(ctx: _Context, run_dir: Path, recipe) -> None:
     ok, where = _writable(run_dir)
     ctx.add("run folder", ok, f"{run_dir} ({'exists' if run_dir.exists() else 'created on start'}; writable)"
             if ok else f"{run_dir}: {where}", "choose a writable --out folder")
-    base = _nearest_existing(run_dir)
-    try:
-        free = shutil.disk_usage(base).free
-    except OSError as e:
-        ctx.add("disk space", False, f"cannot read the free space of {base}: {e}", None, level="warning")
+    base, free = _nearest_existing(run_dir), _free(run_dir)
+    if free is None:
+        ctx.add("disk space", False, f"cannot read the free space of {base}", None, level="warning")
         return
     detail = f"{_gib(free)} free in {base}"
     estimate = estimate_round_bytes(recipe, ctx.cuda) if recipe is not None else None
     if estimate is not None:
+        from tpkit import layout
+        from tpkit.run import ROUND_JSON
+
         per_round, how = estimate
-        left = max(recipe.rounds - _finished_rounds(run_dir, recipe.rounds), 0)
+        left = sum(1 for r in range(recipe.rounds) if not (layout.round_dir(run_dir, r) / ROUND_JSON).is_file())
         need = per_round * left
         detail += (f"; the recipe writes ≈ {_gib(per_round)} per round ({how}), "
                    f"≈ {_gib(need)} for the {left} round(s) to go")
@@ -542,225 +582,142 @@ def _check_run_folder(ctx: _Context, run_dir: Path, recipe) -> None:
 # The model and the rewards' models
 
 
-def _download_fix(ctx: _Context, repo: str, alternative: str, files: str = "") -> str:
-    fix = f"hf download {repo}{files}"
-    if ctx.hub_ok is False:
-        fix += " (where the hub is reachable)"
-    return f"{fix}, or {alternative}"
-
-
 def _check_model(ctx: _Context, model: str, where: str) -> None:
-    alternative = f"a local folder ({where})"
     if model in BUILTIN_MODELS:
-        try:
-            from tpkit import models
+        _check_builtin_model(ctx, model)
+        return
+    alternative = f"a local folder ({where})"
+    gated = ("; gated: accept its licence on huggingface.co and `hf auth login` first"
+             if model.startswith("stabilityai/") else "")
+    _check_folder(ctx, "model", model, ["model_index.json"], _pipeline_missing, alternative,
+                  "copy the complete pipeline folder (save_pretrained: every component with its weights), "
+                  "or pass a hub id", _download_fix(ctx, model, alternative) + gated)
 
-            path = models.family(models.family_of(model)).location(model)
-        except Exception as e:
-            ctx.add("model", False, f"{model}: cannot import tpkit.models: {_first_line(e)}", "fix torch/diffusers first")
-            return
-        if (path / "model_index.json").is_file():
-            missing = _pipeline_missing(path)
-            ctx.add("model", not missing, f"{model} at {path}" if not missing else f"{model} at {path} is incomplete: "
-                    f"{_short(missing)}", f"delete {path}; it is rebuilt on first use (nothing downloaded)"
-                    if model != SHAPES_MODEL else "reinstall tpkit (its weights ship inside the package)")
-            return
-        if model == SHAPES_MODEL:
-            ctx.add("model", False, f"{model}: no weights at {path}", "reinstall tpkit (its weights ship inside the package)")
-            return
+
+def _check_builtin_model(ctx: _Context, model: str) -> None:
+    """tiny-shapes ships inside the package; tiny-sd3 and tiny-flux are built on first use."""
+    try:
+        from tpkit import models
+
+        path = models.family(models.family_of(model)).location(model)
+    except Exception as e:
+        ctx.add("model", False, f"{model}: cannot import tpkit.models: {_first_line(e)}", "fix torch/diffusers first")
+        return
+    shipped = model == SHAPES_MODEL
+    fix = ("reinstall tpkit (its weights ship inside the package)" if shipped
+           else f"delete {path}; it is rebuilt on first use (nothing downloaded)")
+    if (path / "model_index.json").is_file():
+        missing = _pipeline_missing(path)
+        ctx.add("model", not missing, f"{model} at {path}" + (f" is incomplete: {_short(missing)}" if missing else ""),
+                fix)
+    elif shipped:
+        ctx.add("model", False, f"{model}: no weights at {path}", fix)
+    else:
         ok, why = _writable(path.parent)
         buildable = ok and ctx.pipeline_imports_ok
         ctx.add("model", buildable, f"{model}: built on first use under {path.parent} (nothing downloaded)" if buildable
                 else f"{model} cannot be built: {why if not ok else 'the pipeline classes do not import'}",
                 "set TPKIT_HOME to a writable folder" if not ok else "fix the pipeline check above")
-        return
-    kind, folder = _locate(model, ["model_index.json"])
-    if kind == "bad":
-        ctx.add("model", False, f"{model!r}: no such folder, and not a hub id (org/name)", alternative)
-        return
-    if kind == "local":
-        if not (folder / "model_index.json").is_file():
-            ctx.add("model", False, f"{folder} has no model_index.json (not a diffusers pipeline folder)",
-                    "pass a folder saved by the pipeline's save_pretrained (or a hub id)")
-            return
-        missing = _pipeline_missing(folder)
-        ctx.add("model", not missing, f"{model} (local folder)" + (f" is incomplete: {_short(missing)}" if missing else ""),
-                "copy the complete pipeline folder (every component with its weights)")
-        return
-    gated = ("; gated: accept its licence on huggingface.co and `hf auth login` first"
-             if model.startswith("stabilityai/") else "")
-    if folder is None:
-        ctx.add("model", False, f"{model} is not in the HF cache ({hub_cache()})",
-                _download_fix(ctx, model, alternative) + gated)
-        return
-    missing = _pipeline_missing(folder)
-    ctx.add("model", not missing, f"{model} in the HF cache ({folder})" if not missing else
-            f"{model} in the HF cache is incomplete: {_short(missing)}",
-            _download_fix(ctx, model, alternative) + gated)
 
 
-def reward_models(name: str, options: dict) -> list[tuple[str, str, str, str]]:
-    """(role, id or path, kind, option) for each model file set a built-in reward loads.
-    kind: a NEEDS key, or 'file' (a weight file path or repo_id:filename)."""
-    if name == "pickscore":
-        from tpkit.clip_rewards import PICKSCORE_MODEL, PICKSCORE_PROCESSOR
-
-        return [("model", str(options.get("model", PICKSCORE_MODEL)), "clip-model", "model"),
-                ("processor", str(options.get("processor", PICKSCORE_PROCESSOR)), "processor", "processor")]
-    if name == "clipscore":
-        from tpkit.clip_rewards import CLIP_L14
-
-        return [("model", str(options.get("model", CLIP_L14)), "clip", "model")]
-    if name == "aesthetic":
-        from tpkit.clip_rewards import AESTHETIC_HEAD, CLIP_L14
-
-        return [("model", str(options.get("model", CLIP_L14)), "clip", "model"),
-                ("head", str(options.get("head", AESTHETIC_HEAD)), "file", "head")]
-    if name == "imagereward":
-        from tpkit.image_reward import CHECKPOINT, TOKENIZER
-
-        return [("checkpoint", str(options.get("checkpoint", CHECKPOINT)), "file", "checkpoint"),
-                ("tokenizer", str(options.get("tokenizer", TOKENIZER)), "bert-tokenizer", "tokenizer")]
-    if name in ("geneval", "geneval-strict"):
-        from tpkit.geneval import DEFAULT_CLIP, DEFAULT_DETECTOR
-
-        return [("detector", str(options.get("detector", DEFAULT_DETECTOR)), "detector", "detector"),
-                ("clip", str(options.get("clip", DEFAULT_CLIP)), "clip", "clip")]
-    return []
-
-
-def _check_extras(ctx: _Context, reward: str, mins: dict[str, str]) -> None:
-    extra, packages = EXTRAS[reward]
+def _check_extras(ctx: _Context, reward: str, extra: str, packages: dict[str, str]) -> bool:
+    """The packages of tpkit[extra] that the reward needs: installed, importable, recent enough?"""
     problems, versions = [], []
-    for dist, module in packages:
-        version = _version(dist)
-        if version is None:
-            problems.append(f"{dist} not installed")
-            continue
-        try:
-            importlib.import_module(module)
-        except Exception as e:
-            problems.append(f"{dist} {version} does not import ({_first_line(e)})")
-            continue
-        spec = mins.get(dist)
-        if not _satisfies(version, spec):
-            problems.append(f"{dist} {version} (needs {spec})")
-        versions.append(f"{dist} {version}")
-    fix = f"pip install 'tpkit[{extra}]'"
-    if problems:
-        ctx.add(f"reward {reward}: extras", False, "; ".join(problems), fix)
-        return
-    detail = ", ".join(versions)
-    if reward == "ocr":
-        try:
-            import rapidocr
-
-            from tpkit.ocr import _wheel_models
-
-            det, rec = _wheel_models(rapidocr)
-            detail += f"; PP-OCR weights in the wheel ({det.name}, {rec.name})"
-        except Exception as e:
-            ctx.add(f"reward {reward}: extras", False, f"{detail}; {getattr(e, 'message', None) or _first_line(e)}",
-                    "pip install --force-reinstall 'tpkit[ocr]'")
-            return
-    ctx.add(f"reward {reward}: extras", True, detail)
+    for dist, spec in packages.items():
+        version, problem = _package(dist, spec)
+        if problem:
+            problems.append(f"{dist} {problem}" if version is None else f"{dist} {version} {problem}")
+        else:
+            versions.append(f"{dist} {version}")
+    if not packages:
+        problems.append(f"the packages of tpkit[{extra}] are unknown (no tpkit metadata, no pyproject.toml)")
+    ctx.add(f"reward {reward}: extras", not problems, "; ".join(problems) or ", ".join(versions),
+            f"pip install 'tpkit[{extra}]'")
+    return not problems
 
 
-def _check_head_file(ctx: _Context, label: str, spec: str, option: str) -> None:
-    alternative = f"point {option} at a local copy"
+def _check_file(ctx: _Context, label: str, spec: str, alternative: str) -> None:
+    """A weight file: a local path, or repo_id:filename in the HF cache."""
     path = Path(spec).expanduser()
+    repo, _, filename = spec.partition(":")
     if path.is_file():
         ctx.add(label, True, f"{path}")
-        return
-    repo, sep, filename = spec.partition(":")
-    if not sep or not filename or not _is_hub_id(repo) or path.exists():
-        ctx.add(label, False, f"{spec!r}: not a file, and not repo_id:filename", alternative.capitalize())
-        return
-    hit = _cached(repo, filename)
-    ctx.add(label, hit is not None, f"{spec} in the HF cache" if hit else f"{spec} is not in the HF cache ({hub_cache()})",
-            _download_fix(ctx, repo, alternative, f" {filename}"))
-
-
-def _check_model_files(ctx: _Context, label: str, id_or_path: str, needs: list[tuple[str, ...]], option: str,
-                       processor_only: bool) -> None:
-    alternative = f"point {option} at a local copy"
-    first = [f for group in needs if group != _WEIGHTS for f in group]
-    kind, folder = _locate(id_or_path, first)
-    if kind == "bad":
-        ctx.add(label, False, f"{id_or_path!r}: no such folder, and not a hub id (org/name)", alternative.capitalize())
-        return
-    if kind == "local" and not folder.is_dir():
-        ctx.add(label, False, f"{folder} is not a folder", alternative.capitalize())
-        return
-    files = " " + " ".join(PROCESSOR_FILES) if processor_only else ""  # the processor without the weights
-    if folder is None:
-        ctx.add(label, False, f"{id_or_path} is not in the HF cache ({hub_cache()})",
-                _download_fix(ctx, id_or_path, alternative, files))
-        return
-    missing = _missing_in(folder, needs)
-    where = "local folder" if kind == "local" else f"HF cache, {folder}"
-    if not missing:
-        ctx.add(label, True, f"{id_or_path} ({where})")
-    elif kind == "local":
-        ctx.add(label, False, f"{id_or_path} lacks {_short(missing)}",
-                "copy the complete model folder there (save_pretrained)")
+    elif path.exists() or not filename or not _is_hub_id(repo):
+        ctx.add(label, False, f"{spec!r}: not a file, and not repo_id:filename", alternative)
+    elif _cached(repo, filename) is not None:
+        ctx.add(label, True, f"{spec} in the HF cache")
     else:
-        ctx.add(label, False, f"{id_or_path} in the HF cache lacks {_short(missing)}",
-                _download_fix(ctx, id_or_path, alternative, files))
+        ctx.add(label, False, f"{spec} is not in the HF cache ({hub_cache()})",
+                _download_fix(ctx, repo, alternative, f" {filename}"))
 
 
-def _check_rewards(ctx: _Context, wanted: list[tuple[str, dict, str]], mins: dict[str, str]) -> None:
-    """wanted: (reward name, its options, where it comes from: 'recipe', 'eval', '--reward')."""
-    from tpkit.rewards import BUILTIN
+def _check_reward(ctx: _Context, name: str, source: str, requirements: dict[str, dict[str, str]]) -> bool:
+    """Is the reward known (built in, or module:function whose module imports), are its extras there?
+    True when its model files are worth checking."""
+    from tpkit.errors import RewardError
+    from tpkit.rewards import BUILTIN, REQUIREMENTS, check_names
 
-    seen_names: set[str] = set()
-    models: dict[str, dict] = {}  # id -> {"needs": [...], "users": [...], "option": str, "processor_only": bool}
-    for name, options, source in wanted:
-        if name in seen_names and name not in ("pickscore", "clipscore", "aesthetic", "imagereward", "geneval",
-                                                "geneval-strict"):
-            continue
-        first_time = name not in seen_names
-        seen_names.add(name)
-        if name not in BUILTIN:
-            if ":" not in name:
-                ctx.add(f"reward {name}", False, f"unknown reward ({source})",
-                        f"use one of {', '.join(BUILTIN)} (see `tpkit rewards`) or module:function for your own")
-                continue
-            module = name.partition(":")[0]
-            try:
-                found = importlib.util.find_spec(module) is not None
-                why = "" if found else "not found"
-            except Exception as e:
-                found, why = False, _first_line(e)
-            ctx.add(f"reward {name}", found, f"your own reward, module {module} " + ("found" if found else why),
-                    f"make {module} importable (install it or add its folder to PYTHONPATH)")
-            continue
-        if first_time:
-            if name in WEIGHT_FREE:
-                ctx.add(f"reward {name}", True, "needs nothing", level="info")
-            if name in EXTRAS:
-                _check_extras(ctx, name, mins)
+    try:
+        check_names({name: 1.0})
+    except RewardError as e:
+        ctx.add(f"reward {name}", False, f"{e.message} ({source})", e.fix)
+        return False
+    if name not in BUILTIN:
+        module = name.partition(":")[0]
         try:
-            entries = reward_models(name, options)
+            found = importlib.util.find_spec(module) is not None
+            why = "" if found else "not found"
         except Exception as e:
-            ctx.add(f"reward {name}", False, f"cannot read its default models: {_first_line(e)}", "fix torch first")
+            found, why = False, _first_line(e)
+        ctx.add(f"reward {name}", found, f"your own reward, module {module} " + ("found" if found else why),
+                f"make {module} importable (install it or add its folder to PYTHONPATH)")
+        return False
+    extra, model_files = REQUIREMENTS.get(name, (None, None))
+    if extra:
+        return _check_extras(ctx, name, extra, requirements.get(extra, {}))
+    if model_files is None:
+        ctx.add(f"reward {name}", True, "needs nothing", level="info")
+    return True
+
+
+def _check_rewards(ctx: _Context, wanted: list[tuple[str, dict, str]], requirements: dict[str, dict[str, str]]) -> None:
+    """wanted: (reward name, its options, where it comes from: 'recipe', 'eval', '--reward').
+
+    Each reward is checked once (its extras), its model files each time it is named (the options may
+    differ); a model that several rewards use is checked once, with everything they need."""
+    from tpkit.rewards import REQUIREMENTS
+
+    usable: dict[str, bool] = {}  # reward -> known, and its extras are fine
+    models: dict[tuple, dict] = {}  # (id or path, a file?) -> {"kinds": [...], "users": [...], "option": str | None}
+    for name, options, source in wanted:
+        if name not in usable:
+            usable[name] = _check_reward(ctx, name, source, requirements)
+        if not usable[name] or name not in REQUIREMENTS:
+            continue
+        try:
+            entries = REQUIREMENTS[name][1](options)
+        except Exception as e:
+            ctx.add(f"reward {name}", False, f"cannot read its model files: {_first_line(e)}",
+                    getattr(e, "fix", None) or "fix torch first")
             continue
         for role, id_or_path, kind, option in entries:
-            label = f"reward {name}: {role}"
-            opt = f"{name}.{option}"
-            if kind == "file":
-                _check_head_file(ctx, label, id_or_path, opt)
-                continue
-            m = models.setdefault(id_or_path, {"needs": [], "users": [], "option": opt, "processor_only": True})
-            for group in NEEDS[kind]:
-                if group not in m["needs"]:
-                    m["needs"].append(group)
+            m = models.setdefault((id_or_path, kind == "file"),
+                                  {"kinds": [], "users": [], "option": option and f"{name}.{option}"})
+            m["kinds"].append(kind)
             if f"{name}: {role}" not in m["users"]:
                 m["users"].append(f"{name}: {role}")
-            m["processor_only"] = m["processor_only"] and kind == "processor"
-    for id_or_path, m in models.items():
+    for (id_or_path, is_file), m in models.items():
         label = "reward " + "; ".join(m["users"])
-        _check_model_files(ctx, label, id_or_path, m["needs"], m["option"], m["processor_only"])
+        alternative = f"point {m['option']} at a local copy" if m["option"] else "reinstall the package that ships it"
+        if is_file:
+            _check_file(ctx, label, id_or_path, alternative)
+            continue
+        needs = list(dict.fromkeys(group for kind in m["kinds"] for group in FOLDER_FILES[kind]))
+        first = [f for group in needs if group != _WEIGHTS for f in group]
+        files = " " + " ".join(PROCESSOR_FILES) if set(m["kinds"]) == {"processor"} else ""  # no weights
+        _check_folder(ctx, label, id_or_path, first, lambda folder: _missing_in(folder, needs), alternative,
+                      "copy the complete model folder there (save_pretrained)",
+                      _download_fix(ctx, id_or_path, alternative, files))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -786,16 +743,15 @@ def _probe_hub() -> bool:
 
 
 def _check_hub(ctx: _Context) -> None:
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    ok = _probe_hub()
-    ctx.hub_ok = ok
+    ctx.hub_ok = _probe_hub()
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    if ok:
+    if ctx.hub_ok:
         ctx.add("hub", True, f"{endpoint} reachable", level="info")
-    else:
-        ctx.add("hub", False, "HF_HUB_OFFLINE is set: only local files are used" if offline else
-                f"{endpoint} not reachable: only local files are used (fine when every model is present)",
-                "download missing models on a machine with internet and copy the HF cache folder here", level="info")
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    ctx.add("hub", False, "HF_HUB_OFFLINE is set: only local files are used" if offline else
+            f"{endpoint} not reachable: only local files are used (fine when every model is present)",
+            "download missing models on a machine with internet and copy the HF cache folder here", level="info")
 
 
 def _check_homes(ctx: _Context, need_downloads: bool) -> None:
@@ -812,15 +768,12 @@ def _check_homes(ctx: _Context, need_downloads: bool) -> None:
     exists = cache.is_dir()
     repos = sum(1 for p in cache.glob("models--*")) if exists else 0
     detail = f"{cache} ({repos} model repo(s) cached)" if exists else f"{cache} (does not exist yet)"
-    if os.environ.get("HF_HOME"):
-        detail += ", from $HF_HOME"
     if os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE"):
         detail += ", from $HF_HUB_CACHE"
-    try:
-        free = shutil.disk_usage(_nearest_existing(cache)).free
-        detail += f"; {_gib(free)} free"
-    except OSError:
-        free = None
+    elif os.environ.get("HF_HOME"):
+        detail += ", from $HF_HOME"
+    free = _free(cache)
+    detail += f"; {_gib(free)} free" if free is not None else ""
     if need_downloads:
         writable, why = _writable(cache)
         if not writable:
@@ -846,7 +799,8 @@ def run(recipe: str | None = None, out: str | None = None, model: str | None = N
     from tpkit.errors import TpkitError
 
     ctx = _Context()
-    mins = _minimums()
+    requirements = _requirements()
+    mins = requirements.get("", {})
 
     # The recipe first (cheap; it decides what else to check), reported after the environment.
     loaded, recipe_check = None, None
@@ -858,18 +812,18 @@ def run(recipe: str | None = None, out: str | None = None, model: str | None = N
             overrides = [f"rollout.model={json.dumps(model)}"] if model else []
             loaded = load_recipe(recipe, overrides=overrides, out=out)
             recipe_check = Check("recipe", True, f"{recipe}: {loaded.name}, {loaded.method}, {loaded.rounds} round(s), "
-                                 f"model {loaded.rollout.model}", None, "error")
+                                 f"model {loaded.rollout.model}")
         except TpkitError as e:
-            recipe_check = Check("recipe", False, f"{e.message}", e.fix or f"fix {recipe}", "error")
+            recipe_check = Check("recipe", False, e.message, e.fix or f"fix {recipe}")
         except Exception as e:  # a bug or an odd value the loader did not anticipate
-            recipe_check = Check("recipe", False, f"{recipe}: {_first_line(e)}", f"fix {recipe}", "error")
+            recipe_check = Check("recipe", False, f"{recipe}: {_first_line(e)}", f"fix {recipe}")
     the_model = model or (loaded.rollout.model if loaded is not None else None) or TINY_MODEL
 
     _guarded(ctx, "python", _check_python)
     _guarded(ctx, "torch", _check_torch, mins, big_model=the_model not in BUILTIN_MODELS)
     _guarded(ctx, "packages", _check_packages, mins)
     _guarded(ctx, "torchvision", _check_torchvision)
-    _guarded(ctx, "pipeline", _check_pipeline_imports, the_model)
+    _guarded(ctx, "pipeline", _check_pipeline_imports, the_model, mins)
     if recipe_check is not None:
         ctx.checks.append(recipe_check)
         if loaded is not None:
@@ -884,17 +838,13 @@ def run(recipe: str | None = None, out: str | None = None, model: str | None = N
     where = "--model DIR, or rollout.model in the recipe" if recipe else "--model DIR"
     _guarded(ctx, "model", _check_model, the_model, where)
 
-    wanted: list[tuple[str, dict, str]] = []
+    wanted: list[tuple[str, dict, str]] = []  # (reward, its options, where it comes from)
     if loaded is not None:
-        for name in loaded.score.rewards:
-            wanted.append((name, dict(loaded.score.reward_options.get(name, {})), "recipe"))
+        score, ev = loaded.score, loaded.eval
+        wanted += [(name, dict(score.reward_options.get(name, {})), "recipe") for name in score.rewards]
         if loaded.eval_every:
-            ev = loaded.eval
-            if ev.kind == "geneval":
-                wanted.append(("geneval", dict(ev.reward_options.get("geneval", {})), "eval"))
-            else:
-                for name in ev.rewards:
-                    wanted.append((name, dict(ev.reward_options.get(name, {})), "eval"))
+            names = ["geneval"] if ev.kind == "geneval" else list(ev.rewards)
+            wanted += [(name, dict(ev.reward_options.get(name, {})), "eval") for name in names]
     try:
         from tpkit.config import parse_reward_options, parse_reward_specs
 
@@ -904,7 +854,7 @@ def run(recipe: str | None = None, out: str | None = None, model: str | None = N
     except TpkitError as e:
         ctx.add("rewards", False, e.message, e.fix)
     if wanted:
-        _guarded(ctx, "rewards", _check_rewards, wanted, mins)
+        _guarded(ctx, "rewards", _check_rewards, wanted, requirements)
     elif recipe is None:
         ctx.add("rewards", True, "none given (pass --reward NAME or a recipe to check a reward's models)", level="info")
 
@@ -922,31 +872,13 @@ def _guarded(ctx: _Context, name: str, check, *args, **kwargs) -> None:
                 "the check was skipped (rerun with --debug and report it)", level="warning")
 
 
-def _check_recipe_details(ctx: _Context, recipe) -> None:
-    """The recipe's prompt files, and settings that do not fit this machine."""
-    files = [("prompts", recipe.rollout.prompts, "rollout.prompts")]
-    if recipe.eval_every and recipe.eval.prompts:
-        files.append(("eval prompts", recipe.eval.prompts, "eval.prompts"))
-    for name, path, key in files:
-        n = count_prompts(path) if path else None
-        ctx.add(name, bool(n), f"{path}: {n} prompt(s)" if n else f"{path or '(none)'}: missing or empty",
-                f"set {key} to a .txt (one prompt a line) or .jsonl file")
-    if recipe.train.mixed_precision == "bf16" and not ctx.cuda:
-        ctx.add("precision", False, "train.mixed_precision = bf16 without a GPU (bf16 autocast on the CPU is slow)",
-                'set train.mixed_precision = "no" on CPU machines', level="warning")
-
-
 def exit_code(checks: list[Check]) -> int:
     """1 if any error-level check failed, else 0."""
     return int(any(not c.ok and c.level == "error" for c in checks))
 
 
+# (symbol, Rich style) of a failed check by level; a passed one is a green ✓
 _STATUS = {"error": ("✗", "bold red"), "warning": ("!", "bold yellow"), "info": ("·", "dim")}
-
-
-def status(check: Check) -> tuple[str, str]:
-    """(symbol, Rich style): ✓ passed, ✗ error, ! warning, · informational and not ok."""
-    return ("✓", "green") if check.ok else _STATUS[check.level]
 
 
 def render(checks: list[Check]) -> None:
@@ -962,7 +894,7 @@ def render(checks: list[Check]) -> None:
     t.add_column("detail", overflow="fold")
     t.add_column("fix", overflow="fold")
     for c in checks:
-        symbol, style = status(c)
+        symbol, style = ("✓", "green") if c.ok else _STATUS[c.level]
         t.add_row(f"[{style}]{symbol}[/]", escape(c.name), escape(c.detail), escape(c.fix or ""))
     out.print(t)
     errors = sum(1 for c in checks if not c.ok and c.level == "error")

@@ -674,6 +674,16 @@ def _judging_reward(reward: str, options: dict) -> Callable[[list, list, list], 
     return run
 
 
+def geneval_files(options: dict) -> list[tuple]:
+    """What geneval and geneval-strict load (see rewards.REQUIREMENTS): the detector and the colour
+    classifier's CLIP; neither for detector "shapes" (weight-free, it reports colours itself)."""
+    detector = str(options.get("detector", DEFAULT_DETECTOR))
+    if detector == "shapes":
+        return []
+    return [("detector", detector, "detector", "detector"),
+            ("clip", str(options.get("clip", DEFAULT_CLIP)), "clip", "clip")]
+
+
 def geneval_reward(options: dict):
     """The `geneval` reward: Flow-GRPO's dense GenEval score per image (see the module docstring).
 

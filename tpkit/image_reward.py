@@ -200,3 +200,9 @@ def imagereward(options: dict) -> RewardFn:
         return model(images, prompts)
 
     return score
+
+
+def imagereward_files(options: dict) -> list[tuple]:
+    """What imagereward loads (see rewards.REQUIREMENTS): the checkpoint file and a BERT tokenizer."""
+    return [("checkpoint", str(options.get("checkpoint", CHECKPOINT)), "file", "checkpoint"),
+            ("tokenizer", str(options.get("tokenizer", TOKENIZER)), "bert-tokenizer", "tokenizer")]

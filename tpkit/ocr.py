@@ -122,6 +122,14 @@ def _wheel_models(rapidocr_mod) -> tuple[Path, Path]:
     return found["det"], found["rec"]
 
 
+def ocr_files(options: dict) -> list[tuple]:
+    """What ocr loads (see rewards.REQUIREMENTS): the PP-OCR models in the rapidocr wheel (no option moves them)."""
+    import rapidocr
+
+    det, rec = _wheel_models(rapidocr)
+    return [("text detector", str(det), "file", None), ("text recogniser", str(rec), "file", None)]
+
+
 def ocr(options: dict) -> RewardFn:
     opts = take_options("ocr", options, DEFAULTS)
     try:

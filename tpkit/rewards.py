@@ -52,11 +52,11 @@ def brightness(options: dict) -> RewardFn:
     return score
 
 
-def _lazy(module: str, factory: str) -> Callable[[dict], RewardFn]:
-    """A factory living in tpkit.<module>, imported only when that reward is used (keeps the CLI fast)."""
+def _lazy(module: str, function: str) -> Callable[[dict], Any]:
+    """A function of tpkit.<module> taking the reward's options, imported only when called (keeps the CLI fast)."""
 
-    def build(options: dict) -> RewardFn:
-        return getattr(importlib.import_module(f"tpkit.{module}"), factory)(options)
+    def build(options: dict) -> Any:
+        return getattr(importlib.import_module(f"tpkit.{module}"), function)(options)
 
     return build
 
@@ -86,6 +86,24 @@ BUILTIN: dict[str, tuple[Callable[[dict], RewardFn], str]] = {
                 "tpkit.shapes scenes, no CLIP), clip, batch_size)"),
     "geneval-strict": (_lazy("geneval", "geneval_strict"),
                        "as geneval, but GenEval's 0/1 verdict (options: detector, clip, batch_size)"),
+}
+
+
+# What a built-in needs besides tpkit's own requirements, for `tpkit doctor` (not listed: nothing):
+# (the pip extra installing its packages, as pyproject.toml names it; its model files). The model
+# files are declared by the reward's module next to the code that loads them: options -> a list of
+# (role, id or path, kind, option). kind is what loads it: "clip" (CLIPModel with its processor),
+# "clip-model" (CLIPModel only), "processor" (CLIPProcessor only), "detector" (a detector with its
+# image processor), "bert-tokenizer", or "file" (one weight file: a path or repo_id:filename);
+# option is the reward option that points elsewhere (None: no option does).
+REQUIREMENTS: dict[str, tuple[str | None, Callable[[dict], list[tuple]]]] = {
+    "pickscore": (None, _lazy("clip_rewards", "pickscore_files")),
+    "clipscore": (None, _lazy("clip_rewards", "clipscore_files")),
+    "aesthetic": (None, _lazy("clip_rewards", "aesthetic_files")),
+    "imagereward": (None, _lazy("image_reward", "imagereward_files")),
+    "ocr": ("ocr", _lazy("ocr", "ocr_files")),
+    "geneval": ("geneval", _lazy("geneval", "geneval_files")),
+    "geneval-strict": ("geneval", _lazy("geneval", "geneval_files")),
 }
 
 
