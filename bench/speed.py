@@ -585,7 +585,66 @@ def fmt(x, spec=".2f", none="–"):
     return none if x is None else format(x, spec)
 
 
-def main() -> None:
+def gib(p) -> float:
+    """GiB of p bf16 weights."""
+    return p * 2 / 2**30
+
+
+@dataclasses.dataclass
+class Bench:
+    """What every part shares: the options, the recipe and its sizes, the scratch folder, and the
+    results (what --json writes)."""
+
+    args: argparse.Namespace
+    recipe: object  # tpkit.config.Recipe, rounds = 1
+    overrides: list[str]  # the recipe overrides of every part (the bench's prompts and group size)
+    rewards: list
+    tmp: Path  # scratch folder
+    results: dict
+    prompts: list[str]  # data/tiny-prompts.txt (the warm-up takes the first)
+    n: int  # trajectories in the rollout
+    T: int
+    K: int
+    batch: int  # (a) tpkit's score batch_size
+    has_branch_steps: bool  # whether this tpkit's ScoreConfig has branch_steps
+    t_start: float
+    roll_dir: Path  # the rollout (a), (c), (f), (g) measure
+
+
+@dataclasses.dataclass
+class ScoreRuns:
+    """What (a) measured that later parts use."""
+
+    a_res: dict  # results["score"]
+    best_tp: dict  # tpkit's fastest score run (its folder, manifest, probe)
+    best_ref: dict  # the per-branch loop's fastest run
+    m_exact: object  # RewardMatrix of tpkit's first score run (exact branches)
+
+
+@dataclasses.dataclass
+class Rounds:
+    """What (b) measured that later parts use."""
+
+    b_res: dict  # results["rounds"]
+    best: dict  # each variant's fastest round (its stages)
+    own: str  # "beta=..." of the recipe's own train.beta
+    cheap: str  # the variant with score.branch_steps
+
+
+@dataclasses.dataclass
+class Memory:
+    """What (c) measured that later parts use."""
+
+    score_cfg: dict  # the score and train configs the subprocesses run
+    train_cfg: dict
+    params: dict  # full_size_params()
+    size: dict  # parameters + buffers of each SD3.5-M component
+    te_p: int  # parameters + buffers of SD3.5-M's text encoders
+    sm: dict  # score runs by text_encoders
+    tm: dict  # train runs by text_encoders
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=None, help="prompts (default 2; --quick 1)")
     ap.add_argument("--group-size", type=int, default=None, help="members per prompt (default 8; --quick 4)")
@@ -609,7 +668,11 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the temporary run folders")
     ap.add_argument("--verbose", action="store_true", help="show tpkit's progress bars")
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.memory_child:
         return memory_child(args.memory_child)
     args.prompts = args.prompts or (1 if args.quick else 2)
@@ -617,11 +680,31 @@ def main() -> None:
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.max_repeats = args.max_repeats or (1 if args.quick else 5)
 
+    b = setup(args)
+    warm_up(b)
+    a = make_rollout(b)
+    scored = score_batched_vs_loop(b, a)  # (a)
+    rounds = tp_vs_flow_round(b)  # (b)
+    rows = time_outside_model(b, scored, rounds)  # (d)
+    mem = peak_memory(b, scored)  # (c)
+    alloc_best = cpu_allocator(b, mem)  # (g)
+    fs = full_size(b, mem, a)  # (e)
+    branch_steps(b, scored)  # (f)
+    key_ratios(b, scored, rounds, rows, mem, alloc_best, fs)
+    if args.json:
+        Path(args.json).write_text(json.dumps(b.results, indent=1, default=str))
+    if not args.keep:
+        shutil.rmtree(b.tmp, ignore_errors=True)
+
+
+def setup(args: argparse.Namespace) -> Bench:
+    """Imports, the probe, the scratch folder with the bench's prompts, the recipe; prints the machine
+    and the sizes."""
     t_start = time.perf_counter()
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from tpkit import advantages, formulas, models, rollout, run, runtime, score, ui
+    from tpkit import ui
     from tpkit.config import ScoreConfig, load_recipe
     from tpkit.rewards import load_rewards
 
@@ -646,14 +729,23 @@ def main() -> None:
     out.print(f"[bold]tpkit speed benchmark[/]: {args.prompts} prompts x {args.group_size} = {n} trajectories, "
               f"T = {T}, K = {K}, model {recipe.rollout.model}, reward {', '.join(recipe.score.rewards)}, "
               f"{torch.get_num_threads()} torch threads, best of {args.repeats}; scratch {tmp}")
+    return Bench(args=args, recipe=recipe, overrides=overrides, rewards=rewards, tmp=tmp, results=results,
+                 prompts=base, n=n, T=T, K=K,
+                 batch=recipe.score.batch_size if args.score_batch is None else args.score_batch,
+                 has_branch_steps=has_branch_steps, t_start=t_start, roll_dir=tmp / "rollout")
 
-    # 0. Warm-up: build tiny-sd3, import everything, run each stage once on a small rollout.
+
+def warm_up(b: Bench) -> None:
+    """0. Warm-up: build tiny-sd3, import everything, run each stage once on a small rollout."""
+    from tpkit import advantages, models, rollout, score
+
+    recipe, rewards, tmp = b.recipe, b.rewards, b.tmp
     t0 = time.perf_counter()
     models.family(recipe.rollout.family).resolve(recipe.rollout.model)
     t_build = time.perf_counter() - t0
     warm = tmp / "warmup"
     (warm / "p.txt").parent.mkdir(parents=True)
-    (warm / "p.txt").write_text(base[0] + "\n")
+    (warm / "p.txt").write_text(b.prompts[0] + "\n")
     wr = dataclasses.replace(recipe.rollout, prompts=str(warm / "p.txt"), out=str(warm / "rollout"), group_size=2)
     rollout.run(wr)
     score.run(dataclasses.replace(recipe.score, rollout=wr.out, out=str(warm / "score")), rewards)
@@ -662,24 +754,34 @@ def main() -> None:
 
     train.run(dataclasses.replace(recipe.train, rollout=wr.out, advantages=str(warm / "adv"), out=str(warm / "train")))
     reference_score(Path(wr.out), rewards)
-    results["warmup"] = {"build_tiny_s": t_build, "total_s": time.perf_counter() - t0}
+    b.results["warmup"] = {"build_tiny_s": t_build, "total_s": time.perf_counter() - t0}
     out.print(f"warm-up (one-off: build tiny-sd3 {t_build:.1f} s, first imports and kernels): "
-              f"{results['warmup']['total_s']:.1f} s")
+              f"{b.results['warmup']['total_s']:.1f} s")
 
-    # ---------------------------------------------------------------- (a) score: batched vs loop
-    roll_dir = tmp / "rollout"
-    rcfg = dataclasses.replace(recipe.rollout, out=str(roll_dir), seed=recipe.seed)
+
+def make_rollout(b: Bench) -> int:
+    """The rollout the parts measure, in b.roll_dir. Returns its window start a."""
+    from tpkit import rollout
+
+    rcfg = dataclasses.replace(b.recipe.rollout, out=str(b.roll_dir), seed=b.recipe.seed)
     rollout.run(rcfg)
-    rman = json.loads((roll_dir / "manifest.json").read_text())
-    a = rman["window_start"]
-    batch = recipe.score.batch_size if args.score_batch is None else args.score_batch
+    rman = json.loads((b.roll_dir / "manifest.json").read_text())
+    return rman["window_start"]
+
+
+def score_batched_vs_loop(b: Bench, a: int) -> ScoreRuns:
+    """(a) score: tpkit's batched branches (at the score batch and --alt-batch) against the per-branch loop."""
+    from tpkit import formulas, score
+
+    args, n, T, K, batch, roll_dir, tmp = b.args, b.n, b.T, b.K, b.batch, b.roll_dir, b.tmp
+
     def score_once(which: str, rep: int) -> dict:
         release_cache()
         if which == "reference":
-            return reference_score(roll_dir, rewards)
+            return reference_score(roll_dir, b.rewards)
         bs = batch if which == "tpkit" else args.alt_batch
         sdir = tmp / f"score-{which}-{rep}"
-        man = score.run(dataclasses.replace(recipe.score, rollout=str(roll_dir), out=str(sdir), batch_size=bs), rewards)
+        man = score.run(dataclasses.replace(b.recipe.score, rollout=str(roll_dir), out=str(sdir), batch_size=bs), b.rewards)
         st = last_stage("score")
         c = man["counts"]
         return {"dir": sdir, "manifest": man, "seconds": st["wall"] - st.get("load", 0.0), "load": st.get("load", 0.0),
@@ -700,7 +802,7 @@ def main() -> None:
              for k, r in best_runs.items()}
     a_res.update(minimum_calls=formulas.branch_calls(T, a, K), max_abs_reward_diff=diff,
                  speedup=a_res["tpkit"]["traj_per_s"] / a_res["reference"]["traj_per_s"])
-    results["score"] = a_res
+    b.results["score"] = a_res
 
     t = Table(title=f"(a) score stage, {n} trajectories x {K + 1} rewards (T = {T}, K = {K}, a = {a}), "
                     f"best of {len(runs['tpkit'])} runs each, model loading excluded")
@@ -726,8 +828,15 @@ def main() -> None:
     out.print(t)
     out.print(f"  R_k agreement, tpkit vs loop: max |difference| = {diff:.2e} (batching and the reused velocity "
               f"change float rounding only)")
+    return ScoreRuns(a_res=a_res, best_tp=best_tp, best_ref=best_ref, m_exact=m_exact)
 
-    # ---------------------------------------------------------------- (b) TP-GRPO round vs Flow-GRPO round
+
+def tp_vs_flow_round(b: Bench) -> Rounds:
+    """(b) one TP-GRPO round against one Flow-GRPO round (tpkit.run.run, rounds = 1), and the variants."""
+    from tpkit import run
+    from tpkit.config import load_recipe
+
+    args, recipe, tmp, n, overrides = b.args, b.recipe, b.tmp, b.n, b.overrides
     # Judged at the paper's KL weight (tpkit's default train.beta): the authors' ~2.5x is a step of their
     # recipe, and its train step includes the KL term's reference forward. The recipe's own beta (0 in
     # tiny-cpu.toml: no reference forward) is timed as a second pair. Each variant: (overrides, its Flow).
@@ -735,7 +844,7 @@ def main() -> None:
     variants: dict[str, tuple[list[str], str | None]] = {
         "tp-grpo": (["method=tp-grpo"] + paper, "flow-grpo"), "flow-grpo": (["method=flow-grpo"] + paper, None)}
     cheap = f"tp-grpo, branch_steps={args.round_branch_steps}"
-    if has_branch_steps and args.round_branch_steps:
+    if b.has_branch_steps and args.round_branch_steps:
         variants[cheap] = (["method=tp-grpo", f"score.branch_steps={args.round_branch_steps}"] + paper, "flow-grpo")
     own = f"beta={recipe.train.beta:g}"
     if recipe.train.beta != args.round_beta:
@@ -766,7 +875,6 @@ def main() -> None:
                  "overrides": variants[v][0], "flow": variants[v][1],
                  "transformer_calls_per_traj": r["line"]["transformer_calls"] / r["line"]["n"]}
              for v, r in best.items()}
-    flow = best["flow-grpo"]
     for v, r in best.items():
         f = best[variants[v][1] or v]
         b_res[v]["ratio_to_flow"] = r["total"] / f["total"]
@@ -775,7 +883,7 @@ def main() -> None:
         # ratio cancels slow drifts of this VM's speed that best-of-N per variant does not.
         b_res[v]["paired_ratios"] = [x["total"] / y["total"] for x, y in zip(rounds[v], rounds[variants[v][1] or v])]
     b_res["ratio"], b_res["ratio_excl_load"] = b_res["tp-grpo"]["ratio_to_flow"], b_res["tp-grpo"]["ratio_to_flow_excl_load"]
-    results["rounds"] = b_res
+    b.results["rounds"] = b_res
 
     extra = f" --set {' '.join(args.round_set)}" if args.round_set else ""
     t = Table(title=f"(b) one round ({Path(args.recipe).name}{extra}, {n} trajectories, tpkit.run.run, rounds = 1; "
@@ -815,17 +923,24 @@ def main() -> None:
     out.print(t)
     out.print("  round = the four stages' wall-clock inside tpkit.run.run; the whole run.run call adds reward set-up and "
               "report.png: " + ", ".join(f"{v} {best[v]['wall']:.2f} s" for v in variants))
+    return Rounds(b_res=b_res, best=best, own=own, cheap=cheap)
 
-    # ---------------------------------------------------------------- (d) time outside model compute
-    def breakdown(label: str, st: dict, io: float, reward_wait: float = 0.0, encode: float = 0.0) -> dict:
-        wall = st["wall"] - st.get("load", 0.0)
-        model = st.get("forward", 0.0) + st.get("backward", 0.0) + st.get("decode", 0.0) + encode
-        other = wall - model - reward_wait - io - st.get("optimizer", 0.0)
-        return {"label": label, "wall": wall, "encode": encode, "forward": st.get("forward", 0.0),
-                "backward": st.get("backward", 0.0), "decode": st.get("decode", 0.0), "reward_wait": reward_wait,
-                "optimizer": st.get("optimizer", 0.0), "io": io, "other": other,
-                "outside_pct": 100 * (io + other) / wall if wall > 0 else None}
 
+def breakdown(label: str, st: dict, io: float, reward_wait: float = 0.0, encode: float = 0.0) -> dict:
+    """(d) a stage's time (model loading excluded) split into model compute, reward wait, optimizer,
+    file I/O and the rest (Python/other)."""
+    wall = st["wall"] - st.get("load", 0.0)
+    model = st.get("forward", 0.0) + st.get("backward", 0.0) + st.get("decode", 0.0) + encode
+    other = wall - model - reward_wait - io - st.get("optimizer", 0.0)
+    return {"label": label, "wall": wall, "encode": encode, "forward": st.get("forward", 0.0),
+            "backward": st.get("backward", 0.0), "decode": st.get("decode", 0.0), "reward_wait": reward_wait,
+            "optimizer": st.get("optimizer", 0.0), "io": io, "other": other,
+            "outside_pct": 100 * (io + other) / wall if wall > 0 else None}
+
+
+def time_outside_model(b: Bench, scored: ScoreRuns, rounds: Rounds) -> list[dict]:
+    """(d) share of stage time outside model forward / backward / decode / reward (file I/O, Python)."""
+    best_tp, best_ref, best = scored.best_tp, scored.best_ref, rounds.best
     sec = best_tp["manifest"]["seconds"]
     rows = [breakdown("score (tpkit, batched)", best_tp["probe"], sec.get("read", 0) + sec.get("write", 0),
                       sec.get("reward_wait", 0.0)),
@@ -839,7 +954,7 @@ def main() -> None:
             rows.append(breakdown(f"score ({m} round)", st["score"], ss.get("read", 0) + ss.get("write", 0),
                                   ss.get("reward_wait", 0.0)))
         rows.append(breakdown(f"train ({m})", st["train"], st["train"].get("train_io", 0.0)))
-    results["overhead"] = rows
+    b.results["overhead"] = rows
     t = Table(title="(d) where stage time goes (seconds, model loading excluded): outside = file I/O + Python/other")
     for col in ("stage", "wall", "text encode", "transformer fwd", "backward", "VAE decode", "reward wait", "optimizer",
                 "file I/O", "Python/other", "outside %"):
@@ -850,8 +965,16 @@ def main() -> None:
     out.print(t)
     out.print(f"  score manifest seconds (best tpkit run): {json.dumps(sec)}; reward wait = time the stage waited for "
               f"the reward thread (the loop computes rewards inline)")
+    return rows
 
-    # ---------------------------------------------------------------- (c) peak memory, subprocess per variant
+
+def peak_memory(b: Bench, scored: ScoreRuns) -> Memory:
+    """(c) peak memory of score and train as tpkit runs them against the same stage with the text
+    encoders loaded, each in a fresh subprocess; SD3.5-M's weights from the parameter counts of (e)."""
+    from tpkit import advantages
+
+    recipe, tmp, roll_dir, batch, results = b.recipe, b.tmp, b.roll_dir, b.batch, b.results
+    best_tp = scored.best_tp
     adv_dir = tmp / "adv"
     advantages.run(dataclasses.replace(recipe.advantages, scores=str(best_tp["dir"]), out=str(adv_dir)))
     score_cfg = dataclasses.asdict(dataclasses.replace(recipe.score, rollout=str(roll_dir), batch_size=batch))
@@ -877,7 +1000,6 @@ def main() -> None:
                   f"{(r['peak_kib'] - r['baseline_kib']) / 1024:.0f}", f"{r['load_s']:.2f}",
                   *((fmt(r["gpu_peak_mib"], ".0f"),) if gpu else ()))
     size = {k: v["params"] + v["buffers"] for k, v in params.items()}
-    gib = lambda p: p * 2 / 2**30  # noqa: E731  (bf16 weights)
     te_p = sum(v for k, v in size.items() if k.startswith("text_encoder"))
     out.print(t)
     base_w = gib(size["transformer"] + size["vae"])
@@ -886,35 +1008,54 @@ def main() -> None:
               f"text encoders would add {gib(te_p):.1f} GiB ({(base_w + gib(te_p)) / base_w:.1f}x the score stage's weights)")
     sm = {r["text_encoders"]: r for r in mem if r["stage"] == "score"}
     tm = {r["text_encoders"]: r for r in mem if r["stage"] == "train"}
+    return Memory(score_cfg=score_cfg, train_cfg=train_cfg, params=params, size=size, te_p=te_p, sm=sm, tm=tm)
 
-    # ---------------------------------------------------------------- (g) CPU allocator, subprocess per variant
+
+def cpu_allocator(b: Bench, mem: Memory) -> dict:
+    """(g) on CPU: score and train with tpkit's raised glibc malloc thresholds against glibc's defaults,
+    each run in a fresh subprocess. Returns the best stage seconds by (stage, tuned); {} when not
+    measured (a GPU, or no allocator tuning in this tpkit)."""
+    import torch
+
+    from tpkit import runtime
+
+    args, tmp, score_cfg, train_cfg = b.args, b.tmp, mem.score_cfg, mem.train_cfg
+    if torch.cuda.is_available() or not runtime.tune_cpu_allocator():
+        return {}
     alloc = []
-    if not torch.cuda.is_available() and runtime.tune_cpu_allocator():
-        for rep in range(args.repeats):
-            for stage, cfg in (("score", score_cfg), ("train", train_cfg)):
-                for tuned in ((True, False) if rep % 2 == 0 else (False, True)):
-                    c = dict(cfg, out=str(tmp / f"alloc-{stage}-{int(tuned)}-{rep}"))
-                    r = run_memory(stage, False, c, tmp, env=None if tuned else {"TPKIT_CPU_MALLOC": "0"})
-                    alloc.append({"stage": stage, "tuned": tuned, **r})
-        results["allocator"] = alloc
-        for r in alloc:
-            r["stage_s"] = r["wall_s"] - r["load_s"]
-        alloc_best = {(r["stage"], r["tuned"]): min(x["stage_s"] for x in alloc if (x["stage"], x["tuned"]) ==
-                                                    (r["stage"], r["tuned"])) for r in alloc}
-        t = Table(title="(g) glibc malloc thresholds raised by tpkit (CPU) vs glibc's defaults (TPKIT_CPU_MALLOC=0): "
-                        f"one fresh subprocess per run, best of {args.repeats}")
-        for col in ("stage", "allocator", "stage seconds (all runs)", "best", "speed-up", "peak RSS MiB (max)"):
-            t.add_column(col, justify="right")
-        for stage in ("score", "train"):
-            for tuned in (True, False):
-                runs_ = [r for r in alloc if r["stage"] == stage and r["tuned"] == tuned]
-                t.add_row(stage, "tpkit (raised)" if tuned else "glibc default",
-                          " / ".join(f"{r['stage_s']:.2f}" for r in runs_), f"{alloc_best[stage, tuned]:.2f}",
-                          f"{alloc_best[stage, False] / alloc_best[stage, tuned]:.2f}x",
-                          f"{max(r['peak_kib'] for r in runs_) / 1024:.0f}")
-        out.print(t)
+    for rep in range(args.repeats):
+        for stage, cfg in (("score", score_cfg), ("train", train_cfg)):
+            for tuned in ((True, False) if rep % 2 == 0 else (False, True)):
+                c = dict(cfg, out=str(tmp / f"alloc-{stage}-{int(tuned)}-{rep}"))
+                r = run_memory(stage, False, c, tmp, env=None if tuned else {"TPKIT_CPU_MALLOC": "0"})
+                alloc.append({"stage": stage, "tuned": tuned, **r})
+    b.results["allocator"] = alloc
+    for r in alloc:
+        r["stage_s"] = r["wall_s"] - r["load_s"]
+    alloc_best = {(r["stage"], r["tuned"]): min(x["stage_s"] for x in alloc if (x["stage"], x["tuned"]) ==
+                                                (r["stage"], r["tuned"])) for r in alloc}
+    t = Table(title="(g) glibc malloc thresholds raised by tpkit (CPU) vs glibc's defaults (TPKIT_CPU_MALLOC=0): "
+                    f"one fresh subprocess per run, best of {args.repeats}")
+    for col in ("stage", "allocator", "stage seconds (all runs)", "best", "speed-up", "peak RSS MiB (max)"):
+        t.add_column(col, justify="right")
+    for stage in ("score", "train"):
+        for tuned in (True, False):
+            runs_ = [r for r in alloc if r["stage"] == stage and r["tuned"] == tuned]
+            t.add_row(stage, "tpkit (raised)" if tuned else "glibc default",
+                      " / ".join(f"{r['stage_s']:.2f}" for r in runs_), f"{alloc_best[stage, tuned]:.2f}",
+                      f"{alloc_best[stage, False] / alloc_best[stage, tuned]:.2f}x",
+                      f"{max(r['peak_kib'] for r in runs_) / 1024:.0f}")
+    out.print(t)
+    return alloc_best
 
-    # ---------------------------------------------------------------- (e) full size
+
+def full_size(b: Bench, mem: Memory, a: int) -> dict:
+    """(e) SD3.5-Medium's architecture with random weights: parameter counts; with --full-size, timed
+    calls (on a GPU; without one, the same code on a 2-layer model of its structure). Returns what
+    results["full_size"] holds."""
+    import torch
+
+    args, T, K, params, size = b.args, b.T, b.K, mem.params, mem.size
     fs = {"params": params}
     t = Table(title="(e) SD3.5-Medium architecture, random weights")
     t.add_column("component")
@@ -940,49 +1081,64 @@ def main() -> None:
             print_full_size(g, project(g, T, K, a), "(e) --full-size without a GPU: its timing code on CPU, on a 2-layer "
                                                     "model of SD3.5-M's structure at 64 px (checks that the path runs; "
                                                     "these are not SD3.5-M timings)")
+    return fs
 
-    # ---------------------------------------------------------------- (f) branch_steps, if tpkit has it
-    if has_branch_steps:
-        import numpy as np
-        from scipy.stats import spearmanr
 
-        exact = m_exact
-        d_exact, tp_exact = formulas.step_rewards(exact.R), formulas.turning_points(exact.R)
-        f_rows = []
-        for N in (1, 2, 3, 5):
-            sdir = tmp / f"score-steps-{N}"
-            release_cache()
-            man = score.run(dataclasses.replace(recipe.score, rollout=str(roll_dir), out=str(sdir), batch_size=batch,
-                                                branch_steps=N), rewards)
-            st = last_stage("score")
-            mN = read_R(sdir)
-            assert list(mN.trajectory_ids) == list(exact.trajectory_ids)
-            dN, tpN = formulas.step_rewards(mN.R), formulas.turning_points(mN.R)
-            rho = spearmanr(d_exact.ravel(), dN.ravel()).statistic
-            per_traj = [spearmanr(d_exact[i], dN[i]).statistic for i in range(len(dN))]
-            per_traj = [x for x in per_traj if np.isfinite(x)]
-            f_rows.append({"N": N, "spearman": float(rho), "spearman_per_traj": float(np.mean(per_traj)) if per_traj else None,
-                           "tp_agreement": float((tpN == tp_exact).mean()), "tp_exact": int(tp_exact.sum()),
-                           "tp_cheap": int(tpN.sum()), "calls_per_traj": man["counts"]["transformer_calls"] / n,
-                           "seconds": st["wall"] - st.get("load", 0.0)})
-        results["branch_steps"] = f_rows
-        t = Table(title="(f) --branch-steps N against the exact branches (same rollout)")
-        for col in ("N", "calls/traj", "calls saved", "seconds (1 run)", "Spearman d_k (pooled)", "Spearman per trajectory",
-                    "turning-point agreement", "TPs exact / cheap"):
-            t.add_column(col, justify="right")
-        t.add_row("exact", f"{a_res['tpkit']['transformer_calls']:.0f}", "0 %", fmt(a_res["tpkit"]["seconds"][0]),
-                  "1", "1", "100 %", f"{int(tp_exact.sum())}")
-        for r in f_rows:
-            t.add_row(str(r["N"]), f"{r['calls_per_traj']:.0f}",
-                      f"{100 * (1 - r['calls_per_traj'] / a_res['tpkit']['transformer_calls']):.0f} %", fmt(r["seconds"]),
-                      f"{r['spearman']:.3f}", fmt(r["spearman_per_traj"], ".3f"), f"{100 * r['tp_agreement']:.1f} %",
-                      f"{r['tp_exact']} / {r['tp_cheap']}")
-        out.print(t)
-    else:
+def branch_steps(b: Bench, scored: ScoreRuns) -> None:
+    """(f) if ScoreConfig has `branch_steps`: for N in (1, 2, 3, 5), how well the cheap R_k preserve the
+    exact ones (Spearman of step rewards, turning-point agreement) against the calls saved."""
+    if not b.has_branch_steps:
         out.print("(f) skipped: ScoreConfig has no branch_steps in this tpkit")
+        return
+    import numpy as np
+    from scipy.stats import spearmanr
 
-    # ---------------------------------------------------------------- key ratios
-    results["total_s"] = time.perf_counter() - t_start
+    from tpkit import formulas, score
+
+    recipe, rewards, tmp, roll_dir, batch, n = b.recipe, b.rewards, b.tmp, b.roll_dir, b.batch, b.n
+    a_res, m_exact = scored.a_res, scored.m_exact
+    exact = m_exact
+    d_exact, tp_exact = formulas.step_rewards(exact.R), formulas.turning_points(exact.R)
+    f_rows = []
+    for N in (1, 2, 3, 5):
+        sdir = tmp / f"score-steps-{N}"
+        release_cache()
+        man = score.run(dataclasses.replace(recipe.score, rollout=str(roll_dir), out=str(sdir), batch_size=batch,
+                                            branch_steps=N), rewards)
+        st = last_stage("score")
+        mN = read_R(sdir)
+        assert list(mN.trajectory_ids) == list(exact.trajectory_ids)
+        dN, tpN = formulas.step_rewards(mN.R), formulas.turning_points(mN.R)
+        rho = spearmanr(d_exact.ravel(), dN.ravel()).statistic
+        per_traj = [spearmanr(d_exact[i], dN[i]).statistic for i in range(len(dN))]
+        per_traj = [x for x in per_traj if np.isfinite(x)]
+        f_rows.append({"N": N, "spearman": float(rho), "spearman_per_traj": float(np.mean(per_traj)) if per_traj else None,
+                       "tp_agreement": float((tpN == tp_exact).mean()), "tp_exact": int(tp_exact.sum()),
+                       "tp_cheap": int(tpN.sum()), "calls_per_traj": man["counts"]["transformer_calls"] / n,
+                       "seconds": st["wall"] - st.get("load", 0.0)})
+    b.results["branch_steps"] = f_rows
+    t = Table(title="(f) --branch-steps N against the exact branches (same rollout)")
+    for col in ("N", "calls/traj", "calls saved", "seconds (1 run)", "Spearman d_k (pooled)", "Spearman per trajectory",
+                "turning-point agreement", "TPs exact / cheap"):
+        t.add_column(col, justify="right")
+    t.add_row("exact", f"{a_res['tpkit']['transformer_calls']:.0f}", "0 %", fmt(a_res["tpkit"]["seconds"][0]),
+              "1", "1", "100 %", f"{int(tp_exact.sum())}")
+    for r in f_rows:
+        t.add_row(str(r["N"]), f"{r['calls_per_traj']:.0f}",
+                  f"{100 * (1 - r['calls_per_traj'] / a_res['tpkit']['transformer_calls']):.0f} %", fmt(r["seconds"]),
+                  f"{r['spearman']:.3f}", fmt(r["spearman_per_traj"], ".3f"), f"{100 * r['tp_agreement']:.1f} %",
+                  f"{r['tp_exact']} / {r['tp_cheap']}")
+    out.print(t)
+
+
+def key_ratios(b: Bench, scored: ScoreRuns, rounds: Rounds, rows: list[dict], mem: Memory, alloc_best: dict,
+               fs: dict) -> None:
+    """The key ratios of (a)-(g), and the floor of (b) for exact branches."""
+    args, results, n, T, K = b.args, b.results, b.n, b.T, b.K
+    a_res, b_res, best, own, cheap = scored.a_res, rounds.b_res, rounds.best, rounds.own, rounds.cheap
+    mc, flow = a_res["minimum_calls"], best["flow-grpo"]
+    sm, tm, te_p = mem.sm, mem.tm, mem.te_p
+    results["total_s"] = time.perf_counter() - b.t_start
     results["loadavg_end"] = os.getloadavg()
     out.rule("key ratios")
     train_row = next(r for r in rows if r["label"] == "train (tp-grpo)")
@@ -1028,7 +1184,7 @@ def main() -> None:
               f"{sm[False]['peak_kib'] / 1024:.0f} MiB, train {tm[True]['peak_kib'] / 1024:.0f} vs "
               f"{tm[False]['peak_kib'] / 1024:.0f} MiB (tiny model); at SD3.5-M size the text encoders are "
               f"{gib(te_p):.1f} GiB of bf16 weights")
-    if alloc:
+    if alloc_best:
         out.print("CPU allocator tuning (g): " + ", ".join(
             f"{stage} {alloc_best[stage, False] / alloc_best[stage, True]:.2f}x faster" for stage in ("score", "train")))
     if "projection" in fs:
@@ -1039,10 +1195,6 @@ def main() -> None:
     out.print(f"benchmark wall-clock: {results['total_s']:.0f} s; load average at start "
               f"{' '.join(f'{x:.1f}' for x in results['loadavg_start'])}, at end "
               f"{' '.join(f'{x:.1f}' for x in results['loadavg_end'])} ({os.cpu_count()} CPUs)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
-    if not args.keep:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -240,51 +241,84 @@ def run(cfg: TrainConfig) -> dict:
         return _run(cfg, rollout, adv, adv_meta, ident)
 
 
+@dataclass
+class TrainState:
+    """What the steps of a train run share: the prepared model and optimizer, and the progress that a
+    mid-round checkpoint saves (global_step, round_start, metrics, bad_in_row)."""
+
+    accelerator: Any
+    model: Any  # the tpkit.models model; model.transformer is the unwrapped transformer (EMA, saving)
+    transformer: Any  # model.transformer as accelerate prepared it (DDP-wrapped under `accelerate launch`)
+    lora_config: Any
+    params: list  # the trainable (LoRA) parameters
+    optimizer: Any  # AdamW as accelerate prepared it
+    ema: dict | None  # float32 EMA of the LoRA weights (None without --ema)
+    embeds: dict  # prompt embeddings by prompt_id, on the device
+    settings: dict  # the rollout's sampler settings (sampler, noise_level, sigma_1, guidance)
+    global_step: int  # optimizer steps over all rounds so far
+    round_start: int  # global_step when this round began (seeds plan_steps)
+    metrics: list  # one line per optimizer step of this round
+    bad_in_row: int = 0  # optimizer steps in a row with a non-finite loss or gradient
+    steps_done: int = 0  # optimizer steps of this round a killed run had finished (resumed after them)
+
+
 def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict) -> dict:
-    from accelerate import Accelerator
-
     from tpkit import runtime
-    from tpkit.models import base as model_base
-    from tpkit.ui import track
 
-    # 1. Check inputs: the rollout, its advantages, and the state to continue from.
+    # 1. Check inputs: the rollout and its advantages (the state to continue from is read in 2).
     on_cpu = runtime.accelerate_on_cpu(cfg.device)
     phases = Phases("cpu" if on_cpu else runtime.pick_device(cfg.device))
-    rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
+    batches, embeds, meta, zero, no_op = _read_inputs(cfg, rollout, adv, adv_meta, phases)
+
+    # 2. Model: transformer only, frozen, with a trainable float32 LoRA (continuing the previous round's),
+    #    AdamW and EMA (continuing the previous round's state, or this stage's checkpoint after a kill).
+    st = _setup(cfg, rollout, embeds, meta, on_cpu, phases)
+
+    # 3. Optimizer steps: each accumulates its share of micro-batches, then clips and steps.
+    steps = plan_steps(batches, cfg, st.round_start) if not no_op else []
+    computed = [[b for b in s if b.has_gradient(cfg.beta)] for s in steps]
+    _train(st, cfg, steps, computed, phases)
+
+    # 4. A round whose every optimizer step was non-finite learned nothing: an error, not "done".
+    _check_learned(st, cfg)
+
+    # 5. Save (main process): adapter, EMA adapter, optimizer/EMA state, metrics, then the manifest.
+    return _save(st, cfg, rollout, ident, adv, zero, computed, no_op, phases)
+
+
+def _read_inputs(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict,
+                 phases: Phases) -> tuple[list[MicroBatch], dict, dict, set[str], bool]:
+    """Step 1: the rollout's micro-batches with their advantages. Returns (micro-batches, prompt
+    embeddings, rollout settings, zero-advantage trajectories left out of the loss, no_op: nothing
+    to learn from, an error unless --allow-no-op)."""
     with phases("read"):
         zero = zero_advantage_trajectories(adv) if cfg.drop_zero_advantage else set()
-        batches, embeds, meta = load_micro_batches(rollout_dir, adv, cfg,
+        batches, embeds, meta = load_micro_batches(Path(cfg.rollout), adv, cfg,
                                                    set(adv_meta.get("dropped_trajectories", [])), zero, rollout)
     no_op = not any(b.has_gradient(cfg.beta) for b in batches)
     if no_op and not cfg.allow_no_op:
         raise TrainError(f"nothing to learn from: every advantage is 0 ({len({tid for tid, _ in adv})} trajectories)",
                          "check the rewards: a constant reward, or groups of one member, give no advantage "
                          "(`tpkit inspect` the score and advantages folders); --allow-no-op accepts such a round")
+    return batches, embeds, meta, zero, no_op
+
+
+def _setup(cfg: TrainConfig, rollout: dict, embeds: dict, meta: dict, on_cpu: bool, phases: Phases) -> TrainState:
+    """Step 2: the state to continue from (the previous round's adapter and state, or this stage's
+    checkpoint), the model with its LoRA, AdamW and EMA, prepared by accelerate."""
+    from accelerate import Accelerator
+
+    out = Path(cfg.out)
     init_lora = str(policy_adapter(cfg.init_lora)) if cfg.init_lora else None  # not the EMA of an EMA run
     state_in = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
     trainer_state = json.loads((state_in / "trainer.json").read_text()) if state_in and (state_in / "trainer.json").is_file() else {}
     global_step = round_start = trainer_state.get("global_step", 0)
     resume = _read_checkpoint(out) if not (out / layout.MANIFEST).is_file() else None
 
-    # 2. Model: transformer only, frozen, with a trainable float32 LoRA (continuing the previous round's).
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=on_cpu)
-    model_base.release()  # an inference pipeline kept by rollout/score would only take memory now
-    with phases("load"):
-        model = models.load(rollout["config"]["model"], models.recorded(rollout["config"]), device=str(accelerator.device),
-                            dtype=cfg.dtype, text_encoders=False, vae=False)
-        torch.manual_seed(cfg.seed)  # the LoRA init must not depend on what ran before in this process
-        lora_config = model_base.add_trainable_lora(model.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets,
-                                             init_lora)
-    if cfg.gradient_checkpointing:
-        model.transformer.enable_gradient_checkpointing()
+    model, lora_config = _load_model(cfg, rollout, str(accelerator.device), init_lora, phases)
     params = [p for p in model.transformer.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
-    if state_in and (state_in / "optimizer.pt").is_file():
-        optimizer.load_state_dict(torch.load(state_in / "optimizer.pt", map_location="cpu", weights_only=True))
-        for group in optimizer.param_groups:  # the moments continue; the settings are this config's, not the saved ones
-            group.update(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                         weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
+    optimizer = _adamw(cfg, params, state_in)
     ema = _load_ema(state_in, model.transformer) if cfg.ema else None
     metrics, bad_in_row, steps_done = [], 0, 0
     if resume:  # a killed run of this stage: continue after its last finished optimizer step
@@ -293,89 +327,159 @@ def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict
         global_step, round_start = resume["global_step"], resume["round_start"]
     transformer, optimizer = accelerator.prepare(model.transformer, optimizer)
     device = accelerator.device
-    embeds = {pid: {k: v.to(device) for k, v in e.items()} for pid, e in embeds.items()}
-    settings = dict(sampler=meta["sampler"], noise_level=meta["noise_level"], sigma_1=meta["sigmas"][1],
-                    guidance=meta["guidance"])
+    return TrainState(
+        accelerator=accelerator, model=model, transformer=transformer, lora_config=lora_config, params=params,
+        optimizer=optimizer, ema=ema, embeds={pid: {k: v.to(device) for k, v in e.items()} for pid, e in embeds.items()},
+        settings=dict(sampler=meta["sampler"], noise_level=meta["noise_level"], sigma_1=meta["sigmas"][1],
+                      guidance=meta["guidance"]),
+        global_step=global_step, round_start=round_start, metrics=metrics, bad_in_row=bad_in_row, steps_done=steps_done)
 
-    # 3. Optimizer steps: each accumulates its share of micro-batches, then clips and steps.
-    steps = plan_steps(batches, cfg, round_start) if not no_op else []
-    computed = [[b for b in s if b.has_gradient(cfg.beta)] for s in steps]
+
+def _load_model(cfg: TrainConfig, rollout: dict, device: str, init_lora: str | None, phases: Phases):
+    """The rollout's transformer (no text encoders, no VAE), frozen, with a trainable LoRA: a fresh
+    one, seeded, or init_lora's. Returns (model, LoRA config)."""
+    from tpkit.models import base as model_base
+
+    model_base.release()  # an inference pipeline kept by rollout/score would only take memory now
+    with phases("load"):
+        model = models.load(rollout["config"]["model"], models.recorded(rollout["config"]), device=device,
+                            dtype=cfg.dtype, text_encoders=False, vae=False)
+        torch.manual_seed(cfg.seed)  # the LoRA init must not depend on what ran before in this process
+        lora_config = model_base.add_trainable_lora(model.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets,
+                                             init_lora)
+    if cfg.gradient_checkpointing:
+        model.transformer.enable_gradient_checkpointing()
+    return model, lora_config
+
+
+def _adamw(cfg: TrainConfig, params: list, state_in: Path | None) -> torch.optim.AdamW:
+    """AdamW over the LoRA parameters, with the previous round's moments when it saved them."""
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
+    if state_in and (state_in / "optimizer.pt").is_file():
+        optimizer.load_state_dict(torch.load(state_in / "optimizer.pt", map_location="cpu", weights_only=True))
+        for group in optimizer.param_groups:  # the moments continue; the settings are this config's, not the saved ones
+            group.update(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                         weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
+    return optimizer
+
+
+def _train(st: TrainState, cfg: TrainConfig, steps: list[list[MicroBatch]], computed: list[list[MicroBatch]],
+           phases: Phases) -> None:
+    """Step 3: the round's optimizer steps (after those a killed run finished), each step's metrics to
+    the tracker, a checkpoint every `checkpoint_every` steps (not after the last: the save follows).
+    `computed` holds each step's micro-batches that have a gradient."""
+    from tpkit.ui import track
+
+    accelerator, out = st.accelerator, Path(cfg.out)
     if accelerator.num_processes > 1 and computed and min(len(s) for s in computed) < accelerator.num_processes:
         raise TrainError(f"{min(len(s) for s in computed)} micro-batches in an optimizer step for "
                          f"{accelerator.num_processes} processes", "use fewer --optimizer-steps or a larger rollout")
     tracker = tracking.open_tracker(cfg.log_with, out, out.name, to_dict(cfg), cfg.device)
     with track(sum(len(s) for s in computed), "train micro-batches") as advance, tracking.closing(tracker):
-        advance(sum(len(s) for s in computed[:steps_done]))
+        advance(sum(len(s) for s in computed[:st.steps_done]))
         for step_index, step_batches in enumerate(steps):
-            if step_index < steps_done:
+            if step_index < st.steps_done:
                 continue
-            t0 = time.perf_counter()
-            n_samples = sum(b.samples for b in step_batches)
-            mine = computed[step_index][accelerator.process_index:: accelerator.num_processes]
-            sums = torch.zeros(9, dtype=torch.float64, device=device)
-            for i, b in enumerate(mine):
-                sync = i == len(mine) - 1
-                ctx = accelerator.no_sync(transformer) if not sync else contextlib.nullcontext()
-                with ctx:
-                    loss, stats = _micro_batch_loss(model, transformer, b, embeds, settings, cfg, accelerator, phases)
-                    with phases("backward"):
-                        accelerator.backward(loss * accelerator.num_processes / n_samples)
-                sums += stats
-                advance(1)
-            with phases("optimizer"):  # gradient all-reduce wait, clipping, AdamW, EMA
-                sums = accelerator.reduce(sums, reduction="sum")
-                grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-                grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-                finite = bool(torch.isfinite(sums).all()) and np.isfinite(grad_norm)
-                if finite:
-                    optimizer.step()
-                    bad_in_row = 0
-                    if ema is not None and (global_step + 1) % cfg.ema_every == 0:
-                        _update_ema(ema, model.transformer, ema_decay(cfg.ema_decay, global_step + 1))
-                else:
-                    bad_in_row += 1
-                optimizer.zero_grad(set_to_none=True)
-            global_step += 1
-            metrics.append(_metrics_line(global_step, sums, n_samples, grad_norm, cfg, finite, time.perf_counter() - t0))
+            _optimizer_step(st, cfg, step_batches, computed[step_index], advance, phases)
             if tracker:
-                tracker.scalars(tracking.train_scalars(metrics[-1]), global_step)
-            if bad_in_row >= cfg.max_bad_steps:
-                raise TrainError(f"{bad_in_row} optimizer steps in a row had a non-finite loss or gradient",
+                tracker.scalars(tracking.train_scalars(st.metrics[-1]), st.global_step)
+            if st.bad_in_row >= cfg.max_bad_steps:
+                raise TrainError(f"{st.bad_in_row} optimizer steps in a row had a non-finite loss or gradient",
                                  "lower --learning-rate, check the rewards/advantages, or raise --max-bad-steps")
             if cfg.checkpoint_every and (step_index + 1) % cfg.checkpoint_every == 0 and step_index + 1 < len(steps):
-                with phases("checkpoint"):
-                    if accelerator.is_main_process:
-                        _write_checkpoint(out / CHECKPOINT, accelerator.unwrap_model(transformer), optimizer, ema, {
-                            "steps_done": step_index + 1, "global_step": global_step, "round_start": round_start,
-                            "metrics": metrics, "bad_in_row": bad_in_row})
-                    accelerator.wait_for_everyone()
+                _checkpoint_step(st, out, step_index + 1, phases)
 
-    # 4. A round whose every optimizer step was non-finite learned nothing: an error, not "done".
+
+def _optimizer_step(st: TrainState, cfg: TrainConfig, step_batches: list[MicroBatch], computed: list[MicroBatch],
+                    advance, phases: Phases) -> None:
+    """One optimizer step: this process's share of the step's computed micro-batches, gradients
+    accumulated; then clip, AdamW and EMA. Appends the step's metrics line."""
+    t0 = time.perf_counter()
+    n_samples = sum(b.samples for b in step_batches)
+    sums = _accumulate(st, cfg, computed, n_samples, advance, phases)
+    with phases("optimizer"):  # gradient all-reduce wait, clipping, AdamW, EMA
+        sums, grad_norm, finite = _clip_and_step(st, cfg, sums)
+    st.global_step += 1
+    st.metrics.append(_metrics_line(st.global_step, sums, n_samples, grad_norm, cfg, finite, time.perf_counter() - t0))
+
+
+def _accumulate(st: TrainState, cfg: TrainConfig, computed: list[MicroBatch], n_samples: int, advance,
+                phases: Phases) -> torch.Tensor:
+    """Forward and backward of each of this process's micro-batches of a step (every world-th), the
+    gradients all-reduced on the last only. Returns this process's metric sums (float64 [9])."""
+    accelerator = st.accelerator
+    mine = computed[accelerator.process_index:: accelerator.num_processes]
+    sums = torch.zeros(9, dtype=torch.float64, device=accelerator.device)
+    for i, b in enumerate(mine):
+        sync = i == len(mine) - 1
+        ctx = accelerator.no_sync(st.transformer) if not sync else contextlib.nullcontext()
+        with ctx:
+            loss, stats = _micro_batch_loss(st.model, st.transformer, b, st.embeds, st.settings, cfg, accelerator, phases)
+            with phases("backward"):
+                accelerator.backward(loss * accelerator.num_processes / n_samples)
+        sums += stats
+        advance(1)
+    return sums
+
+
+def _clip_and_step(st: TrainState, cfg: TrainConfig, sums: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
+    """Sum the metric sums over processes, clip the gradient, and step AdamW (and the EMA when due)
+    if loss and gradient are finite. Returns (summed metric sums, gradient norm, finite)."""
+    accelerator = st.accelerator
+    sums = accelerator.reduce(sums, reduction="sum")
+    grad_norm = accelerator.clip_grad_norm_(st.params, cfg.max_grad_norm)
+    grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+    finite = bool(torch.isfinite(sums).all()) and np.isfinite(grad_norm)
+    if finite:
+        st.optimizer.step()
+        st.bad_in_row = 0
+        if st.ema is not None and (st.global_step + 1) % cfg.ema_every == 0:
+            _update_ema(st.ema, st.model.transformer, ema_decay(cfg.ema_decay, st.global_step + 1))
+    else:
+        st.bad_in_row += 1
+    st.optimizer.zero_grad(set_to_none=True)
+    return sums, grad_norm, finite
+
+
+def _checkpoint_step(st: TrainState, out: Path, steps_done: int, phases: Phases) -> None:
+    """A mid-round checkpoint after `steps_done` optimizer steps of this round (written by the main process)."""
+    with phases("checkpoint"):
+        if st.accelerator.is_main_process:
+            _write_checkpoint(out / CHECKPOINT, st.accelerator.unwrap_model(st.transformer), st.optimizer, st.ema, {
+                "steps_done": steps_done, "global_step": st.global_step, "round_start": st.round_start,
+                "metrics": st.metrics, "bad_in_row": st.bad_in_row})
+        st.accelerator.wait_for_everyone()
+
+
+def _check_learned(st: TrainState, cfg: TrainConfig) -> None:
+    """Step 4: an error if every optimizer step was non-finite (unless --allow-no-op) or the LoRA is."""
+    from tpkit.models import base as model_base
+
+    metrics = st.metrics
     if metrics and not any(m["finite"] for m in metrics) and not cfg.allow_no_op:
         raise TrainError(f"every optimizer step ({len(metrics)}) had a non-finite loss or gradient: nothing was learned",
                          "lower --learning-rate, check the rewards and advantages (`tpkit inspect`), "
                          "or pass --allow-no-op to accept such a round")
 
-    if not all(bool(torch.isfinite(v).all()) for v in model_base.lora_state(accelerator.unwrap_model(transformer)).values()):
+    if not all(bool(torch.isfinite(v).all()) for v in model_base.lora_state(st.accelerator.unwrap_model(st.transformer)).values()):
         raise TrainError("the trained LoRA holds NaN or infinite weights", "lower --learning-rate (nothing was saved)")
 
-    # 5. Save (main process): adapter, EMA adapter, optimizer/EMA state, metrics, then the manifest.
+
+def _save(st: TrainState, cfg: TrainConfig, rollout: dict, ident: dict, adv: dict, zero: set[str],
+          computed: list[list[MicroBatch]], no_op: bool, phases: Phases) -> dict:
+    """Step 5, by the main process: adapter(s), state and metrics, then the manifest, and the checkpoint
+    goes. Returns the manifest ({} on the other processes)."""
+    accelerator, out, metrics = st.accelerator, Path(cfg.out), st.metrics
     accelerator.wait_for_everyone()
     manifest = None
     if accelerator.is_main_process:
         with phases("save"):
-            unwrapped = accelerator.unwrap_model(transformer)
-            if ema is not None:  # users and evaluations load adapter/; the next round continues adapter-raw/
-                model.save_lora(unwrapped, lora_config, out / ADAPTER_RAW)
-                model.save_lora(ema, lora_config, out / ADAPTER)
-            else:
-                model.save_lora(unwrapped, lora_config, out / ADAPTER)
-            _save_state(out / STATE, optimizer, ema, global_step)
-            layout.atomic_write(out / layout.METRICS_FILE, "".join(json.dumps(m) + "\n" for m in metrics).encode())
+            _save_outputs(st, out)
         transitions = sum(len(b.prompt_ids) for s in computed for b in s)
         manifest = layout.write_manifest(
             out, "train", to_dict(cfg),
-            inputs={"rollout": str(rollout_dir), "advantages": str(cfg.advantages), "init_lora": cfg.init_lora,
+            inputs={"rollout": str(Path(cfg.rollout)), "advantages": str(cfg.advantages), "init_lora": cfg.init_lora,
                     "model": rollout["config"]["model"]}, identity=ident, rollout_id=rollout.get("rollout_id"),
             no_op=no_op or not any(m["finite"] for m in metrics),
             # Model work of the whole stage, all processes (a CFG pair counts once): each transition is one
@@ -384,15 +488,27 @@ def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict
                     "zero_advantage_trajectories": len(zero),
                     "trajectories_in_loss": len({tid for tid, _ in adv} - zero),
                     "transitions": transitions, "transformer_calls": transitions,
-                    "reference_calls": transitions if cfg.beta > 0 else 0, "global_step": global_step,
+                    "reference_calls": transitions if cfg.beta > 0 else 0, "global_step": st.global_step,
                     "processes": accelerator.num_processes,
                     "nonfinite_steps": sum(not m["finite"] for m in metrics)},
             seconds=phases.rounded(),  # this process's (the main one), this run's (not a killed earlier run's)
-            last_metrics=metrics[-1] if metrics else {}, resumed_from_step=steps_done,
+            last_metrics=metrics[-1] if metrics else {}, resumed_from_step=st.steps_done,
         )
         shutil.rmtree(out / CHECKPOINT, ignore_errors=True)  # the finished stage supersedes it
     accelerator.wait_for_everyone()
     return manifest or {}
+
+
+def _save_outputs(st: TrainState, out: Path) -> None:
+    """Adapter (with EMA: adapter/ the EMA, adapter-raw/ the trained weights), optimizer/EMA state, metrics."""
+    unwrapped = st.accelerator.unwrap_model(st.transformer)
+    if st.ema is not None:  # users and evaluations load adapter/; the next round continues adapter-raw/
+        st.model.save_lora(unwrapped, st.lora_config, out / ADAPTER_RAW)
+        st.model.save_lora(st.ema, st.lora_config, out / ADAPTER)
+    else:
+        st.model.save_lora(unwrapped, st.lora_config, out / ADAPTER)
+    _save_state(out / STATE, st.optimizer, st.ema, st.global_step)
+    layout.atomic_write(out / layout.METRICS_FILE, "".join(json.dumps(m) + "\n" for m in st.metrics).encode())
 
 
 def _micro_batch_loss(model, transformer, b: MicroBatch, embeds, settings, cfg: TrainConfig, accelerator,
