@@ -69,6 +69,7 @@ PROCESSOR_FILES = ("preprocessor_config.json", "tokenizer.json", "tokenizer_conf
                    "vocab.json", "merges.txt")
 
 BUILTIN_MODELS = (TINY_MODEL, SHAPES_MODEL, FLUX_MODEL)  # laptop-sized: CPU is fine
+GATED = ("stabilityai/", "black-forest-labs/")  # SD3.5 and FLUX.1-dev: licence accepted on the hub first
 
 
 @dataclass
@@ -588,7 +589,7 @@ def _check_model(ctx: _Context, model: str, where: str) -> None:
         return
     alternative = f"a local folder ({where})"
     gated = ("; gated: accept its licence on huggingface.co and `hf auth login` first"
-             if model.startswith("stabilityai/") else "")
+             if model.startswith(GATED) else "")
     _check_folder(ctx, "model", model, ["model_index.json"], _pipeline_missing, alternative,
                   "copy the complete pipeline folder (save_pretrained: every component with its weights), "
                   "or pass a hub id", _download_fix(ctx, model, alternative) + gated)
