@@ -1,7 +1,8 @@
-"""rollout -> score -> advantages on tiny-sd3: file contracts, counts, reproducibility, rewards.
+"""rollout -> score -> advantages on both model families: file contracts, counts, reproducibility, rewards.
 
-Most tests read the session's `tiny_run` (2 prompts x 4 members, T = 10, K = 9, one prompt per
-shard). The few that run a stage again use `branches="final"` (no transformer) where they can.
+Most tests read `tiny_run` (2 prompts x 4 members, T = 10, K = 9, one prompt per shard): conftest's
+tiny-sd3 run, and the same on tiny-flux (this module runs every test on each). The few that run a
+stage again use `branches="final"` (no transformer) where they can.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tarfile
 import textwrap
 from pathlib import Path
@@ -27,14 +29,39 @@ from tpkit.rewards import BUILTIN, component_column
 
 T, K, PROMPTS, GROUP = 10, 9, 2, 4
 N = PROMPTS * GROUP
-LATENT = (16, 8, 8)  # tiny-sd3 at 64 px: 16 channels, VAE downsamples by 8
-SD3_EMBEDS = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
+LATENT = (16, 8, 8)  # tiny-sd3 and tiny-flux at 64 px: 16 channels, VAE downsamples by 8 (stored unpacked)
+# What each family stores per prompt: SD3 the prompt's and the empty negative's (CLIP 77 + T5 tokens),
+# FLUX the T5 sequence and CLIP's pooled vector (guidance is distilled: no negative prompt).
+EMBEDS = {"tiny-sd3": ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds"),
+          "tiny-flux": ("prompt_embeds", "pooled_prompt_embeds")}
+TOKENS = {"tiny-sd3": 77 + 128, "tiny-flux": 128}
+GUIDANCE = {"tiny-sd3": 4.5, "tiny-flux": 3.5}
 JPEG = "reward_jpeg_compressibility"
 
 
-def rollout_cfg(prompts: Path, out: Path) -> RolloutConfig:
-    """The options conftest's tiny_run used (so a rerun must give the same files)."""
-    return RolloutConfig(prompts=str(prompts), out=str(out), group_size=GROUP, prompts_per_shard=1)
+@pytest.fixture(scope="module", params=list(EMBEDS))
+def tiny_run(request, tiny_run, tmp_path_factory, two_prompts) -> Path:
+    """conftest's tiny-sd3 run, or the same rollout -> score -> advantages on tiny-flux."""
+    if request.param == "tiny-sd3":
+        return tiny_run
+    from tpkit import advantages
+    from tpkit.config import AdvantagesConfig
+
+    run = tmp_path_factory.mktemp("tiny-run-flux")
+    rollout.run(rollout_cfg(two_prompts, run / "rollout", "tiny-flux"))
+    score.run(ScoreConfig(rollout=str(run / "rollout"), out=str(run / "score")))
+    advantages.run(AdvantagesConfig(scores=str(run / "score"), out=str(run / "advantages")))
+    return run
+
+
+@pytest.fixture(scope="module")
+def model(tiny_run) -> str:
+    return json.loads((tiny_run / "rollout" / layout.MANIFEST).read_text())["config"]["model"]
+
+
+def rollout_cfg(prompts: Path, out: Path, model: str) -> RolloutConfig:
+    """The options tiny_run used (so a rerun must give the same files)."""
+    return RolloutConfig(model=model, prompts=str(prompts), out=str(out), group_size=GROUP, prompts_per_shard=1)
 
 
 def jpeg_reward(png: bytes) -> float:
@@ -112,15 +139,16 @@ def test_shard_tensors_and_image(shards):
             assert all(not torch.equal(x["states"][k], x["states"][k + 1]) for k in range(K))
 
 
-def test_trajectory_metadata(trajectories, manifests):
+def test_trajectory_metadata(trajectories, manifests, model):
     sigmas = manifests["rollout"]["sigmas"]
     for tid, t in trajectories.items():
         m = t.meta
         assert m["trajectory_id"] == tid and m["prompt_id"] == tid.split("-m")[0]
         assert isinstance(m["seed"], int) and m["seed"] == rollout.derive_seed(0, m["prompt_id"], m["member"])
-        assert m["sampler"] == "cps" and m["noise_level"] == 0.7 and m["guidance"] == 4.5
+        assert m["sampler"] == "cps" and m["noise_level"] == 0.7 and m["guidance"] == GUIDANCE[model]
         assert m["steps"] == T and m["window_start"] == 0 and m["window_size"] == K
-        assert m["model"] == "tiny-sd3" and m["resolution"] == 64 and m["lora"] is None
+        assert m["model"] == model and m["resolution"] == 64 and m["lora"] is None
+        assert m["family"] == {"tiny-sd3": "sd3", "tiny-flux": "flux"}[model]
         assert m["schema_version"] == layout.SCHEMA_VERSION
         assert m["prompt"] and m["prompt_metadata"] == {"prompt": m["prompt"]}
         s = m["sigmas"]
@@ -129,7 +157,7 @@ def test_trajectory_metadata(trajectories, manifests):
     assert len({t.meta["seed"] for t in trajectories.values()}) == N
 
 
-def test_prompt_embeddings_stored_once_per_prompt(shards):
+def test_prompt_embeddings_stored_once_per_prompt(shards, model):
     seen = []
     for path, prompts, trajs in shards:
         with tarfile.open(path) as tar:
@@ -138,22 +166,22 @@ def test_prompt_embeddings_stored_once_per_prompt(shards):
         assert sorted(embeds) == sorted(f"{pid}.{layout.EMBEDS}" for pid in prompts)
         assert len(embeds) == 1
         for rec in prompts.values():
-            assert set(rec.embeds) == set(SD3_EMBEDS)
+            assert set(rec.embeds) == set(EMBEDS[model])
             assert all(v.shape[0] == 1 for v in rec.embeds.values())
         seen += list(prompts)
         # Trajectory samples carry no embeddings of their own.
         for t in trajs:
-            assert not set(t.tensors) & set(SD3_EMBEDS)
+            assert not set(t.tensors) & set(EMBEDS[model])
     assert sorted(seen) == ["p00000", "p00001"]
 
 
-def test_default_rollout_stores_77_clip_and_128_t5_tokens(shards, manifests):
-    """The release encodes prompts with max_sequence_length = 128: CLIP's 77 tokens then T5's 128."""
+def test_default_rollout_stores_128_t5_tokens(shards, manifests, model):
+    """The release encodes prompts with max_sequence_length = 128: SD3 stores CLIP's 77 tokens then
+    T5's 128 (and so for the negative prompt), FLUX T5's 128."""
     assert manifests["rollout"]["config"]["max_sequence_length"] == 128
     for _, prompts, _ in shards:
         for rec in prompts.values():
-            assert rec.embeds["prompt_embeds"].shape[1] == 77 + 128
-            assert rec.embeds["negative_prompt_embeds"].shape[1] == 77 + 128
+            assert all(rec.embeds[k].shape[1] == TOKENS[model] for k in EMBEDS[model] if "pooled" not in k)
 
 
 def test_shards_are_plain_webdataset(shards):
@@ -232,7 +260,7 @@ def test_branch_0_is_the_ode_sample_from_the_same_noise(trajectories, run_scores
     _, prompts, trajs = shards[0]
     t = trajs[1]
     m = t.meta
-    model = models.load("tiny-sd3", device="cpu", dtype="float32", text_encoders=False)
+    model = models.load(m["model"], device="cpu", dtype="float32", text_encoders=False)
     x = torch.randn(LATENT, generator=torch.Generator().manual_seed(m["seed"]))[None]
     s = m["sigmas"]
     with torch.no_grad():
@@ -279,9 +307,9 @@ def test_branches_final_writes_only_branch_K_and_calls_no_transformer(tiny_run, 
 # ---------------------------------------------------------------------------------------------
 
 
-def test_rollout_rerun_into_another_folder_is_identical(tiny_run, two_prompts, shards, tmp_path):
+def test_rollout_rerun_into_another_folder_is_identical(tiny_run, two_prompts, shards, tmp_path, model):
     out = tmp_path / "rollout2"
-    rollout.run(rollout_cfg(two_prompts, out))
+    rollout.run(rollout_cfg(two_prompts, out, model))
     again = layout.list_shards(out)
     assert [p.name for p in again] == [p.name for p, _, _ in shards]
     for (path, _, trajs), path2 in zip(shards, again):
@@ -295,7 +323,7 @@ def test_rollout_rerun_into_another_folder_is_identical(tiny_run, two_prompts, s
         assert path2.read_bytes() == path.read_bytes()  # the writer is deterministic
 
 
-def test_rollout_rerun_keeps_finished_shards_and_recreates_deleted_ones(tiny_run, two_prompts, tmp_path, monkeypatch):
+def test_rollout_rerun_keeps_finished_shards_and_recreates_deleted_ones(tiny_run, two_prompts, tmp_path, monkeypatch, model):
     from tpkit import models
 
     out = tmp_path / "rollout"
@@ -309,14 +337,14 @@ def test_rollout_rerun_keeps_finished_shards_and_recreates_deleted_ones(tiny_run
     # 1. A complete folder: nothing to sample (the model is not even loaded), nothing rewritten.
     with monkeypatch.context() as mp:
         mp.setattr(models, "load", no_model)
-        manifest = rollout.run(rollout_cfg(two_prompts, out))
+        manifest = rollout.run(rollout_cfg(two_prompts, out, model))
     assert manifest is not None and manifest["counts"]["trajectories"] == N
     for p, (mtime, data) in before.items():
         assert p.stat().st_mtime_ns == mtime and p.read_bytes() == data
 
     # 2. A deleted shard comes back byte for byte; the other one is left alone.
     shard1.unlink()
-    rollout.run(rollout_cfg(two_prompts, out))
+    rollout.run(rollout_cfg(two_prompts, out, model))
     assert shard1.read_bytes() == before[shard1][1]
     assert shard0.stat().st_mtime_ns == before[shard0][0]
     assert sorted(p.name for p in out.glob("*.tar")) == [shard0.name, shard1.name]
@@ -337,6 +365,7 @@ def test_user_reward_module_function(tiny_run, trajectories, tmp_path, monkeypat
             return [float(np.asarray(im, dtype=np.float64).mean() / 255.0) for im in images]
     """)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tpk_user_reward_a", raising=False)  # a fresh CALLS for each family's run
     spec = "tpk_user_reward_a:brightness"
     out = tmp_path / "score"
     manifest = score.run(ScoreConfig(rollout=str(tiny_run / "rollout"), out=str(out), rewards={spec: 1.0},
