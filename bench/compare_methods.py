@@ -281,6 +281,14 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
             if d[key]:
                 L.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in d[key]) + " |")
         L.append("")
+    evaluated = sorted(r for r in tp["eval"] if r)
+    L += [f"## Per seed (held-out GenEval overall; base {base.get('geneval_overall', float('nan')):.3f})", "",
+          "| run | " + " | ".join(f"after {r} rounds" for r in evaluated) + " |", "|" + " --- |" * (1 + len(evaluated))]
+    for m in RECIPES:
+        for j in (j for j in all_jobs if j.method == m and not j.overrides):
+            ev = {i + 1: r["eval"]["geneval_overall"] for i, r in enumerate(rounds_of(j)) if r.get("eval")}
+            L.append(f"| {m} seed {j.seed} | " + " | ".join(f"{ev[r]:.3f}" if r in ev else "" for r in evaluated) + " |")
+    L.append("")
     abl = [j for j in all_jobs if j.overrides and finished(j, 1)]
     if abl:
         main = next(j for j in all_jobs if j.method == "tp-grpo" and j.seed == seeds[0] and not j.overrides)
