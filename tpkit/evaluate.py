@@ -147,7 +147,9 @@ def identity(cfg: EvalConfig) -> dict:
     """What an eval folder holds: these options for this model, LoRA (its contents) and prompts (their
     bytes; GenEval's regenerated set when none) or judged image folder."""
     prompts = Path(cfg.prompts) if cfg.prompts else None
-    return layout.stage_identity(f"eval-{cfg.kind}", to_dict(cfg), leave_out=("prompts", "lora", "grid_prompts"), inputs={
+    # family: it follows from the model (as in rollout.identity), so folders from before families keep their id
+    return layout.stage_identity(f"eval-{cfg.kind}", to_dict(cfg), leave_out=("prompts", "lora", "grid_prompts", "family"),
+                                 inputs={
         "prompts_sha256": layout.file_digest(prompts) if prompts and prompts.is_file() else None,
         "lora_sha256": layout.tree_digest(cfg.lora, "--lora")})
 

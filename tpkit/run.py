@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from tpkit import layout, tracking
+from tpkit import layout, models, tracking
 from tpkit.config import Recipe
 from tpkit.errors import ConfigError, TpkitError
 
@@ -65,6 +65,8 @@ def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
     current = recipe.to_dict()
     if saved_path.is_file():
         saved = tomllib.loads(saved_path.read_text())
+        if "rollout" in saved:  # written before tpkit had model families: those runs were SD3
+            saved["rollout"].setdefault("family", models.recorded(saved["rollout"]))
         a, b = _fixed(saved), _fixed(current)
         if a != b:
             diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
@@ -240,7 +242,11 @@ def write_rounds(run_dir: Path, rounds: int) -> list[dict]:
 def claim_run_folder(run_dir: Path, recipe: Recipe, overwrite: bool, world: int) -> None:
     """The run folder holds this recipe's run (any number of rounds) and nothing else; --overwrite
     starts it again from an empty folder."""
-    ident = layout.stage_identity("run", dict(_fixed(recipe.to_dict()), rounds=None), inputs={})
+    fixed = _fixed(recipe.to_dict())
+    # The family follows from the model, as in rollout.identity (a forced one is held by check_same_recipe):
+    # left out, runs started before tpkit had families keep their identity.
+    fixed["rollout"] = {k: v for k, v in fixed["rollout"].items() if k != "family"}
+    ident = layout.stage_identity("run", dict(fixed, rounds=None), inputs={})
     if not overwrite and (run_dir / RUN_TOML).is_file():
         check_same_recipe(run_dir, recipe)  # refuses another recipe, naming the keys that differ
         if not (run_dir / layout.STAGE_FILE).is_file():  # a run started by an older tpkit
