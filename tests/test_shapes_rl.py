@@ -38,6 +38,39 @@ def test_one_round_of_the_main_job(tmp_path):
     base = run.base_eval(tmp_path / "run")
     assert base is not None and 0 <= base["geneval_overall"] <= 1
     assert line["eval"] is not None and 0 <= line["eval"]["geneval_overall"] <= 1
+    # and the run's verdict pairs the two evaluations over the same prompts
+    change = run.heldout_change(tmp_path / "run", lines)
+    assert change["round"] == 0 and change["metric"] == "geneval_overall"
+    assert change["base"] == base["geneval_overall"] and change["last"] == line["eval"]["geneval_overall"]
+    assert abs(change["delta"] - (change["last"] - change["base"])) < 1e-12
     train = json.loads((tmp_path / "run" / "round-0000" / "train" / layout.MANIFEST).read_text())
     assert train["counts"]["optimizer_steps"] >= 1
     assert (tmp_path / "run" / "report.png").is_file()
+
+
+def _eval_folder(folder: Path, correct: list[int]) -> None:
+    """A finished GenEval evaluation of one prompt per entry of `correct` (one image each, task colors)."""
+    folder.mkdir(parents=True)
+    rows = [{"index": i, "sample": 0, "tag": "colors", "correct": bool(c)} for i, c in enumerate(correct)]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    layout.atomic_write_json(folder / layout.MANIFEST, {"stage": "eval-geneval", "summary": {}})
+
+
+def test_heldout_verdict_by_hand(tmp_path):
+    from tpkit import run
+    from tpkit.show import heldout_verdict
+
+    # base right on prompt 0 only, the round on prompts 0-2: paired differences 0, 1, 1, 0
+    _eval_folder(tmp_path / run.BASE_EVAL, [1, 0, 0, 0])
+    _eval_folder(run.eval_dir(tmp_path, 2), [1, 1, 1, 0])
+    lines = [{"round": r, "eval": {"geneval_overall": 0.75} if r == 2 else None} for r in range(3)]
+    c = run.heldout_change(tmp_path, lines)
+    se = np.std([0, 1, 1, 0], ddof=1) / 2  # sqrt(1/3) / 2 = 0.289: the 95 % half-width 0.566 exceeds +0.5
+    assert c["round"] == 2 and c["base"] == 0.25 and c["last"] == 0.75 and c["delta"] == 0.5
+    assert abs(c["delta_se"] - se) < 1e-12
+    assert "+0.500 ± 0.566" in heldout_verdict(c) and "not distinguishable" in heldout_verdict(c)
+    assert "after 3 rounds" in heldout_verdict(c)
+    # all four prompts fixed: a clear gain; all four broken: worse than the base model
+    assert "noise" not in heldout_verdict(dict(c, delta=1.0, delta_se=0.0))
+    assert "worse than the base" in heldout_verdict(dict(c, delta=-1.0, delta_se=0.0))
+    assert run.heldout_change(tmp_path, lines[:2]) is None  # no evaluated round yet

@@ -214,7 +214,7 @@ def run_recipe(
     r = load_recipe(recipe, set_, rounds=rounds, out=str(out) if out else None, log_with=log_with)
     lines = stage.run(r, overwrite=overwrite)
     if lines:  # the main process reports; the others return nothing
-        rounds_view(lines, stage.base_eval(Path(r.out)))
+        rounds_view(lines, stage.base_eval(Path(r.out)), stage.heldout_change(Path(r.out), lines))
         _done(Path(r.out))
 
 

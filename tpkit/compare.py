@@ -110,8 +110,9 @@ def _se(values) -> float:
     return float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
 
 
-def _cell(rows: list[dict], base: list[dict] | None, metric: str) -> dict:
-    """mean, se, n (prompts) of one metric; with a base entry, the paired difference and its se."""
+def paired_cell(rows: list[dict], base: list[dict] | None, metric: str) -> dict:
+    """mean, se, n (prompts) of one metric over evaluation results rows; with `base` (the same prompts and
+    seeds), the paired difference and its se."""
     if metric.startswith("geneval"):
         return _geneval_cell(rows, base, metric)
     mine = _per_prompt(rows, metric)
@@ -152,7 +153,7 @@ def build_table(results: dict[str, list[dict]]) -> dict:
         metrics += ["geneval_overall"] + [f"geneval_{t}" for t in tags]
     names = list(results)
     base = results[names[0]]
-    cells = {n: {m: _cell(rows, None if n == names[0] else base, m) for m in metrics} for n, rows in results.items()}
+    cells = {n: {m: paired_cell(rows, None if n == names[0] else base, m) for m in metrics} for n, rows in results.items()}
     return {"metrics": metrics, "entries": names, "base": names[0], "cells": cells,
             "unit": "mean ± standard error over prompts; delta: paired difference from the base over prompts"}
 

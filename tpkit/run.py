@@ -29,6 +29,24 @@ def base_eval(run_dir: Path) -> dict | None:
     return _eval_summary(Path(run_dir) / BASE_EVAL)
 
 
+def heldout_change(run_dir: Path, lines: list[dict]) -> dict | None:
+    """The latest held-out evaluation against the base model's, paired over prompts (both use the same
+    prompts and seeds): {"metric", "round", "base", "last", "delta", "delta_se"}; None without both."""
+    from tpkit import compare, evaluate
+    from tpkit.report import eval_key
+
+    evaluated = [x for x in lines if x.get("eval")]
+    base_dir = Path(run_dir) / BASE_EVAL
+    if not evaluated or not (base_dir / layout.MANIFEST).is_file():
+        return None
+    last = evaluated[-1]
+    metric = eval_key(last["eval"])
+    cell = compare.paired_cell(layout.read_jsonl(eval_dir(run_dir, last["round"]) / evaluate.RESULTS),
+                               layout.read_jsonl(base_dir / evaluate.RESULTS), metric)
+    return {"metric": metric, "round": last["round"], "base": cell["mean"] - cell["delta"], "last": cell["mean"],
+            "delta": cell["delta"], "delta_se": cell["delta_se"]}
+
+
 def evaluate_into(recipe: Recipe, folder: Path, lora: Path | None, what: str) -> float | None:
     """The recipe's held-out evaluation of the base model plus `lora` (None: the base model alone)
     into `folder`, unless it is already there; its seconds when it ran."""

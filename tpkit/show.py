@@ -133,9 +133,9 @@ def train_view(folder: Path) -> None:
     console.print(t)
 
 
-def rounds_view(lines: list[dict], base_eval: dict | None = None) -> None:
+def rounds_view(lines: list[dict], base_eval: dict | None = None, change: dict | None = None) -> None:
     """rounds.jsonl: final reward, turning points and (with eval_every) the held-out evaluation per round,
-    below the starting model's evaluation (`base_eval`)."""
+    below the starting model's evaluation (`base_eval`); then the verdict on `change` (run.heldout_change)."""
     from tpkit.report import eval_key
 
     evals = [x["eval"] for x in lines if x.get("eval")] + ([base_eval] if base_eval else [])
@@ -150,6 +150,19 @@ def rounds_view(lines: list[dict], base_eval: dict | None = None) -> None:
                   str(x["n"]), f"{x['turning_point_rate']:.1%}", str(x["transformer_calls"]),
                   f"{sum(x['seconds'].values()):.1f}", *([_fmt((x.get("eval") or {}).get(key))] if key else []))
     console.print(t)
+    if change:
+        console.print(heldout_verdict(change))
+
+
+def heldout_verdict(c: dict) -> str:
+    """One line: the held-out change after the last evaluated round, with its 95 % interval (paired over
+    prompts), and whether it is distinguishable from evaluation noise."""
+    half = 1.96 * c["delta_se"]
+    line = (f"held-out {c['metric']}: {c['base']:.3f} (base) -> {c['last']:.3f} after {c['round'] + 1} rounds, "
+            f"{c['delta']:+.3f} ± {half:.3f} (95 %, paired over prompts)")
+    if not abs(c["delta"]) > half:  # NaN se (one prompt) counts as indistinguishable too
+        return f"[yellow]{line}: not distinguishable from evaluation noise[/]"
+    return f"[green]{line}[/]" if c["delta"] > 0 else f"[red]{line}: worse than the base model[/]"
 
 
 def eval_view(manifest: dict) -> None:
@@ -176,9 +189,9 @@ def inspect(path: Path) -> None:
     if path.is_dir() and (path / layout.ROUNDS_FILE).is_file():  # a `tpkit run` folder
         lines = layout.read_jsonl(path / layout.ROUNDS_FILE)
         console.print(f"[bold]{path}[/]: run with {len(lines)} finished rounds")
-        from tpkit.run import base_eval
+        from tpkit.run import base_eval, heldout_change
 
-        rounds_view(lines, base_eval(path))
+        rounds_view(lines, base_eval(path), heldout_change(path, lines))
         return
     if path.is_dir():
         manifest_path = path / layout.MANIFEST
