@@ -47,6 +47,27 @@ def test_family_of_names_and_folders(tiny_flux, tmp_path):
     assert models.default("black-forest-labs/FLUX.1-dev", "lora_targets") == flux.LORA_TARGETS
 
 
+def test_a_forced_family_must_not_contradict_the_model(tiny_flux, tmp_path, capsys):
+    """--family is for models only a name could tell; against a built-in or a model_index.json it is refused
+    (the family is left out of stage identities, so a finished folder would otherwise pass as done)."""
+    from tpkit.config import RolloutConfig
+    from tpkit.errors import ConfigError
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    for model, forced in (("tiny-sd3", "flux"), (flux.resolve("tiny-flux"), "sd3")):
+        with pytest.raises(ConfigError, match=f"family '{forced}' contradicts the model"):
+            RolloutConfig(model=str(model), family=forced, prompts=str(prompts), out=str(tmp_path / "o")).validate()
+    assert cli("rollout", "--model", "tiny-sd3", "--family", "flux", "--prompts", prompts, "--out", tmp_path / "o") != 0
+    err = capsys.readouterr().err
+    assert "contradicts the model tiny-sd3" in err and "leave --family out" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+    # a folder without model_index.json can only be told by its name: forcing it is what --family is for
+    assert models.known_family(str(tmp_path)) is None and models.family_of(str(tmp_path / "my-flux")) == "flux"
+    cfg = RolloutConfig(model=str(tmp_path / "my-flux"), family="sd3", prompts=str(prompts), out=str(tmp_path / "o"))
+    assert cfg.validate().family == "sd3"
+
+
 def test_pack_and_ids_match_diffusers():
     from diffusers import FluxPipeline
 

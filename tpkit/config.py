@@ -129,6 +129,11 @@ def _model_defaults(cfg) -> None:
     if cfg.family is None:
         cfg.family = models.family_of(cfg.model)
     _choice("family", cfg.family, tuple(models.FAMILIES))
+    # Forcing is for models only a name could tell; a contradiction would load the wrong code (and,
+    # the family being left out of stage identities, could pass as an earlier finished stage).
+    if (known := models.known_family(cfg.model)) not in (None, cfg.family):
+        raise ConfigError(f"family {cfg.family!r} contradicts the model {cfg.model}, which is a {known!r} model",
+                          f"leave --family out (it follows from the model) or pass a {cfg.family} model")
     for attr, key in (("resolution", "resolution"), ("max_sequence_length", "text_length"), ("guidance", "guidance")):
         if getattr(cfg, attr) is None:
             setattr(cfg, attr, models.default(cfg.model, key, cfg.family))

@@ -47,8 +47,9 @@ def _pipeline_class(model: str) -> str | None:
         return None
 
 
-def family_of(model: str) -> str:
-    """Which family a model is: a built-in name, else its pipeline class, else its name (FLUX ids say so)."""
+def known_family(model: str) -> str | None:
+    """The family a model certainly is: a built-in name's, else its folder's (or cached hub model's)
+    pipeline class's; None where only the name can tell."""
     mods = {n: family(n) for n in FAMILIES}
     for n, m in mods.items():
         if model in m.BUILTIN:
@@ -60,7 +61,12 @@ def family_of(model: str) -> str:
                 return n
         raise ModelError(f"{model} is a {cls}; tpkit trains " + " and ".join(m.MODEL.PIPELINE for m in mods.values()),
                          "pass a Stable Diffusion 3 / 3.5 or FLUX.1 model")
-    return "flux" if "flux" in model.lower() else "sd3"
+    return None
+
+
+def family_of(model: str) -> str:
+    """Which family a model is: `known_family`, else its name (FLUX ids say so)."""
+    return known_family(model) or ("flux" if "flux" in model.lower() else "sd3")
 
 
 def default(model: str, key: str, family_name: str | None = None):
