@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import time
 from pathlib import Path
 
@@ -39,20 +38,6 @@ def load_detector(path: str | None):
     return module.detect
 
 
-def blur(image: np.ndarray, sigma: float) -> np.ndarray:
-    """Separable Gaussian blur (edges repeated), float."""
-    r = math.ceil(3 * sigma)
-    k = np.exp(-np.arange(-r, r + 1) ** 2 / (2 * sigma * sigma))
-    k /= k.sum()
-    a = image.astype(np.float64)
-    for axis in (0, 1):
-        pad = [(0, 0)] * 3
-        pad[axis] = (r, r)
-        p = np.pad(a, pad, mode="edge")
-        a = sum(w * np.take(p, np.arange(i, i + a.shape[axis]), axis=axis) for i, w in enumerate(k))
-    return a
-
-
 def pngs(folder: str, n: int, skip: int) -> list[np.ndarray]:
     """n of the PNGs under `folder` (sorted, after the first `skip`), as uint8 RGB arrays."""
     from PIL import Image
@@ -68,7 +53,7 @@ def images(kind: str, n: int, seed: int) -> list[np.ndarray]:
     for _ in range(n):
         image = shapes.render(shapes.sample_scene(rng))
         if kind == "blurry":
-            a = blur(image, float(rng.uniform(1.0, 1.8))) + rng.normal(0, 6.0, image.shape)
+            a = shapes.blur(image, float(rng.uniform(1.0, 1.8))) + rng.normal(0, 6.0, image.shape)
             image = np.clip(np.round(a), 0, 255).astype(np.uint8)
         out.append(image)
     return out

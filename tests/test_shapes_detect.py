@@ -202,22 +202,8 @@ def test_eval_geneval_end_to_end(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def _blur(image: np.ndarray, sigma: float) -> np.ndarray:
-    """Separable Gaussian blur (edges repeated), float."""
-    r = int(math.ceil(3 * sigma))
-    k = np.exp(-np.arange(-r, r + 1) ** 2 / (2 * sigma * sigma))
-    k /= k.sum()
-    a = image.astype(np.float64)
-    for axis in (0, 1):
-        pad = [(0, 0)] * 3
-        pad[axis] = (r, r)
-        p = np.pad(a, pad, mode="edge")
-        a = sum(w * np.take(p, np.arange(i, i + a.shape[axis]), axis=axis) for i, w in enumerate(k))
-    return a
-
-
 def _degrade(image: np.ndarray, rng: np.random.Generator, sigma: float, noise: float = 0.0, shift: float = 0.0):
-    a = (_blur(image, sigma) if sigma > 0 else image.astype(np.float64)) + rng.uniform(-shift, shift, 3) + rng.normal(0, noise, image.shape) * (noise > 0)
+    a = (shapes.blur(image, sigma) if sigma > 0 else image.astype(np.float64)) + rng.uniform(-shift, shift, 3) + rng.normal(0, noise, image.shape) * (noise > 0)
     return np.clip(np.round(a), 0, 255).astype(np.uint8)
 
 

@@ -351,6 +351,21 @@ def render(scene: Scene, size: int | None = None) -> np.ndarray:
     return np.asarray(image.resize((size, size), Image.Resampling.BOX), dtype=np.uint8).copy()
 
 
+def blur(image: np.ndarray, sigma: float) -> np.ndarray:
+    """A render blurred like a generated image's soft edges: separable Gaussian of `sigma` px, edges
+    repeated; float64 (H, W, 3). For measuring the detector on model-like images, not used by it."""
+    r = math.ceil(3 * sigma)
+    k = np.exp(-np.arange(-r, r + 1) ** 2 / (2 * sigma * sigma))
+    k /= k.sum()
+    a = image.astype(np.float64)
+    for axis in (0, 1):
+        pad = [(0, 0)] * 3
+        pad[axis] = (r, r)
+        p = np.pad(a, pad, mode="edge")
+        a = sum(w * np.take(p, np.arange(i, i + a.shape[axis]), axis=axis) for i, w in enumerate(k))
+    return a
+
+
 def _coverage_masks(objects: Sequence[Obj], size: int) -> list[np.ndarray]:
     """Per object, the pixels (size x size) it covers at least half of, drawn alone."""
     from PIL import Image, ImageDraw
