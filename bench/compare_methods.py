@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -118,6 +119,18 @@ def base_eval(all_jobs: list[Job]) -> dict:
 
 def rounds_of(job: Job) -> list[dict]:
     return [json.loads(line) for line in (job.out / "rounds.jsonl").read_text().splitlines() if line.strip()]
+
+
+# GenEval's first reason for a failed image (tpkit/geneval.py's wording) -> what went wrong
+FAILURES = (("wrong colour", re.compile(r"^expected \w+ \w+>=")), ("too few of a named shape", re.compile(r"^expected \w+>=")),
+            ("too many", re.compile(r"^expected \w+<")), ("wrong position", re.compile(r"^(no target for|expected \w+ \w+ of|expected \w+ (above|below) )")))
+
+
+def failure_shares(folder: Path) -> dict[str, float]:
+    """Share of an evaluation's images that are right, or fail first for each kind in FAILURES."""
+    rows = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines() if line.strip()]
+    kinds = ["right" if r["correct"] else next((k for k, rx in FAILURES if rx.match(r["reason"])), "other") for r in rows]
+    return {k: kinds.count(k) / len(kinds) for k in ("right", *(k for k, _ in FAILURES), "other")}
 
 
 def t95(n: int) -> float:
@@ -281,6 +294,17 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
             if d[key]:
                 L.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in d[key]) + " |")
         L.append("")
+    L += ["## What held-out images get wrong (share of all images; first failure reason; mean over seeds)", "",
+          "| outcome | base | " + " | ".join(f"{m} after {last}" for m in RECIPES) + " |",
+          "| --- | --- | " + " | ".join("---" for _ in RECIPES) + " |"]
+    from tpkit import run as tpkit_run
+
+    jobs_of = {m: [j for j in all_jobs if j.method == m and not j.overrides] for m in RECIPES}
+    shares = {m: [failure_shares(tpkit_run.eval_dir(j.out, last - 1)) for j in jobs_of[m]] for m in RECIPES}
+    base_shares = failure_shares(jobs_of["tp-grpo"][0].out / tpkit_run.BASE_EVAL)
+    for k in base_shares:
+        L.append(f"| {k} | {base_shares[k]:.3f} | " + " | ".join(fmt(mean_ci([s[k] for s in shares[m]])) for m in RECIPES) + " |")
+    L.append("")
     evaluated = sorted(r for r in tp["eval"] if r)
     L += [f"## Per seed (held-out GenEval overall; base {base.get('geneval_overall', float('nan')):.3f})", "",
           "| run | " + " | ".join(f"after {r} rounds" for r in evaluated) + " |", "|" + " --- |" * (1 + len(evaluated))]
