@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 from collections import namedtuple
@@ -221,10 +222,27 @@ def test_disk_estimate_for_sd35_recipe():
     from tpkit.config import load_recipe
 
     recipe = load_recipe(ROOT / "pipelines" / "sd35m-tpgrpo-pickscore.toml")
-    per_round, how = doctor.estimate_round_bytes(recipe, cuda=True)
+    per_round, shards, how = doctor.estimate_round_bytes(recipe, cuda=True)
     # 48 prompts x 24: 1152 trajectories of 20 latents 16 x 64 x 64 float32 (+ PNG): about 7 GiB a round
     assert "1152 trajectories" in how
     assert 6 * doctor.GiB < per_round < 9 * doctor.GiB
+    assert 0.9 * per_round < shards < per_round  # nearly all of it is what keep_rounds deletes
+
+
+def test_keep_rounds_in_the_disk_estimate(tmp_path, monkeypatch):
+    """The SD3.5-Medium recipe's 500 rounds (~3.5 TiB) do not fit on 1 TiB; keeping 2 rounds' shards they do
+    (the recipe keeps 5)."""
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2048 * doctor.GiB, 1024 * doctor.GiB, 1024 * doctor.GiB))
+    text = (ROOT / "pipelines" / "sd35m-tpgrpo-pickscore.toml").read_text().replace('"../data/', f'"{ROOT}/data/')
+    recipes = {}
+    for keep in (0, 2):
+        recipes[keep] = tmp_path / f"keep{keep}.toml"
+        recipes[keep].write_text(re.sub(r"(?m)^keep_rounds = 5 .*$", f"keep_rounds = {keep}", text))
+    c = by_name(doctor.run(str(recipes[0]), out=str(tmp_path / "run")))["disk space"]
+    assert not c.ok and "fill up before the last round" in c.detail and "keep_rounds" in c.fix, c.detail
+    c = by_name(doctor.run(str(recipes[2]), out=str(tmp_path / "run")))["disk space"]
+    assert c.ok and "with keep_rounds = 2" in c.detail, c.detail
 
 
 def test_broken_torchvision_is_a_warning(tmp_path, monkeypatch):

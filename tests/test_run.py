@@ -389,6 +389,48 @@ def test_continue_extend_redo_and_refuse(e2e, tmp_path):
     assert files_under(run_dir, 0, 1, 2) == after
 
 
+def test_keep_rounds_deletes_old_rounds_shards_only(e2e, tmp_path, two_prompts, capsys):
+    """keep_rounds = 1 over 3 rounds: round 1's shards go once round 2 has trained, rounds 0 and 2 keep
+    theirs; the results are those of a run that keeps everything; reading the pruned rollout is refused
+    with the fix, and following the fix writes the same shards again."""
+    from conftest import cli
+
+    from tpkit.run import prune_rounds, run, stage_dirs
+
+    recipe = small_recipe(tmp_path, two_prompts, rounds=3)
+    run_dir = tmp_path / "run"
+    lines = run(load_recipe(recipe, ["keep_rounds=1"], out=str(run_dir)))
+    rollouts = [stage_dirs(run_dir, r)["rollout"] for r in range(3)]
+    assert [len(layout.list_shards(d)) for d in rollouts] == [1, 0, 1]
+    assert (rollouts[1] / layout.PRUNED).is_file() and (rollouts[1] / layout.MANIFEST).is_file()
+    assert all(not (d / layout.PRUNED).exists() for d in (rollouts[0], rollouts[2]))
+    for stage in ("score", "advantages", "train"):  # everything after the rollout stays
+        assert (stage_dirs(run_dir, 1)[stage] / layout.MANIFEST).is_file()
+    assert (stage_dirs(run_dir, 1)["train"] / "state").is_dir()
+    assert "deleted the rollout shards of round(s) 1" in capsys.readouterr().err
+    assert [x["reward_mean"] for x in lines[:2]] == [x["reward_mean"] for x in e2e["rounds"]]  # as if nothing were deleted
+    assert (run_dir / "report.png").is_file()
+
+    # the pruned rollout cannot be scored again; the fix is to rerun it, which writes the same bytes
+    assert cli("score", rollouts[1], "--out", tmp_path / "rescore", "--reward", "brightness") != 0
+    err = capsys.readouterr().err
+    assert "deleted by `tpkit run` (keep_rounds)" in err and "rerun `tpkit rollout`" in err
+    manifest = json.loads((rollouts[1] / layout.MANIFEST).read_text())
+    c = manifest["config"]
+    assert cli("rollout", "--model", c["model"], "--prompts", c["prompts"], "--out", rollouts[1], "--lora", c["lora"],
+               "--group-size", c["group_size"], "--seed", c["seed"]) == 0
+    assert "written again, byte for byte" in capsys.readouterr().err
+    assert not (rollouts[1] / layout.PRUNED).exists()
+    again = json.loads((rollouts[1] / layout.MANIFEST).read_text())
+    assert again["shard_sha256"] == manifest["shard_sha256"] and again["rollout_id"] == manifest["rollout_id"]
+
+    # pruning again frees those bytes; another keep_rounds on the finished run is no other recipe
+    size = sum(p.stat().st_size for p in layout.list_shards(rollouts[1]))
+    assert size > 0 and prune_rounds(run_dir, 1) == {1: size} and prune_rounds(run_dir, 1) == {}
+    assert run(load_recipe(recipe, ["keep_rounds=0"], out=str(run_dir))) == lines
+    assert [len(layout.list_shards(d)) for d in rollouts] == [1, 0, 1]
+
+
 # --------------------------------------------------------------------------------------------
 # A real kill
 # --------------------------------------------------------------------------------------------

@@ -465,7 +465,7 @@ _WIRED = {
 }
 _SECTIONS = {"rollout": RolloutConfig, "score": ScoreConfig, "advantages": AdvantagesConfig, "train": TrainConfig,
              "eval": EvalConfig}
-_TOP = {"name", "rounds", "out", "method", "seed", "rewards", "eval_every", "log_with", "log_images_every"}
+_TOP = {"name", "rounds", "out", "method", "seed", "rewards", "eval_every", "log_with", "log_images_every", "keep_rounds"}
 
 
 @dataclass
@@ -483,6 +483,7 @@ class Recipe:
     eval_every: int = 0  # evaluate the adapter every N rounds (0: never), logged in rounds.jsonl
     log_with: str = "none"  # none | tensorboard | wandb (tpkit.tracking); may change when a run is continued
     log_images_every: int = 5  # with a tracker: a grid of the round's samples every N rounds (0: never)
+    keep_rounds: int = 0  # keep the rollout shards (cached latents) of round 0 and the last N rounds only (0: all)
 
     def to_dict(self) -> dict:
         """The resolved recipe, as saved in run.toml (None values dropped: TOML has no null)."""
@@ -494,7 +495,7 @@ class Recipe:
                    for k, w in self.score.rewards.items()}
         d = {"name": self.name, "rounds": self.rounds, "out": self.out, "method": self.method, "seed": self.seed,
              "rewards": rewards, "eval_every": self.eval_every, "log_with": self.log_with,
-             "log_images_every": self.log_images_every}
+             "log_images_every": self.log_images_every, "keep_rounds": self.keep_rounds}
         for section, cls in _SECTIONS.items():
             d[section] = {k: v for k, v in asdict(getattr(self, section)).items() if k not in _WIRED[section]}
         return clean(d)
@@ -580,7 +581,7 @@ def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None 
             raise ConfigError(f"{path}: [{name}]: {e}", "check the section's keys and values") from None
         check_types(sections[name], name)
     for key, kind in (("name", "str"), ("rounds", "int"), ("out", "str"), ("method", "str"), ("seed", "int"),
-                      ("eval_every", "int"), ("log_with", "str"), ("log_images_every", "int")):
+                      ("eval_every", "int"), ("log_with", "str"), ("log_images_every", "int"), ("keep_rounds", "int")):
         if key in data and not _type_ok(data[key], kind)[0]:
             raise ConfigError(f"{path}: {key} = {data[key]!r} is not of type {kind}", f"set {key} to a {kind} value")
     method = data.get("method", "tp-grpo")
@@ -605,10 +606,10 @@ def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None 
         name=str(data.get("name", path.stem)), rounds=int(rounds if rounds is not None else data.get("rounds", 1)),
         out=str(out or data.get("out") or Path("runs") / path.stem), method=method, seed=int(data.get("seed", 0)),
         eval_every=int(data.get("eval_every", 0)), log_with=str(log_with or data.get("log_with", "none")),
-        log_images_every=int(data.get("log_images_every", 5)), **sections,
+        log_images_every=int(data.get("log_images_every", 5)), keep_rounds=int(data.get("keep_rounds", 0)), **sections,
     )
-    _positive("eval_every", recipe.eval_every, allow_zero=True)
-    _positive("log_images_every", recipe.log_images_every, allow_zero=True)
+    for key in ("eval_every", "log_images_every", "keep_rounds"):
+        _positive(key, getattr(recipe, key), allow_zero=True)
     _choice("log_with", recipe.log_with, TRACKERS)
     if recipe.eval_every:
         recipe.eval.validate()

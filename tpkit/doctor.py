@@ -517,8 +517,9 @@ def _check_recipe_details(ctx: _Context, recipe) -> None:
                 'set train.mixed_precision = "no" on CPU machines', level="warning")
 
 
-def estimate_round_bytes(recipe, cuda: bool) -> tuple[int, str] | None:
-    """Rough bytes one round of `tpkit run` writes, and how they add up (None: prompts unknown).
+def estimate_round_bytes(recipe, cuda: bool) -> tuple[int, int, str] | None:
+    """Rough bytes one round of `tpkit run` writes, those of them in rollout shards (what keep_rounds
+    deletes later), and how they add up (None: prompts unknown).
 
     Per trajectory: (K + 1 states + K velocities + final latent) x C x h x w float32 plus the final
     PNG (at most 3 bytes a pixel); per prompt, its and the empty prompt's embeddings (77 + T5 tokens) in
@@ -541,7 +542,7 @@ def estimate_round_bytes(recipe, cuda: bool) -> tuple[int, str] | None:
     total = trajectories * per_traj + prompts * per_prompt + train
     how = (f"{trajectories} trajectories x {_gib(per_traj)} + {prompts} prompts x {_gib(per_prompt)} embeddings"
            f" + {_gib(train)} adapter/optimizer")
-    return total, how
+    return total, trajectories * (2 * k + 2) * latent + trajectories * res * res * 3, how
 
 
 def _check_run_folder(ctx: _Context, run_dir: Path, recipe) -> None:
@@ -558,19 +559,22 @@ def _check_run_folder(ctx: _Context, run_dir: Path, recipe) -> None:
         from tpkit import layout
         from tpkit.run import ROUND_JSON
 
-        per_round, how = estimate
+        per_round, shards, how = estimate
         left = sum(1 for r in range(recipe.rounds) if not (layout.round_dir(run_dir, r) / ROUND_JSON).is_file())
         need = per_round * left
+        if recipe.keep_rounds:  # shards of round 0 and the last keep_rounds stay; older rounds' are deleted
+            need -= shards * max(0, left - recipe.keep_rounds - 1)
         detail += (f"; the recipe writes ≈ {_gib(per_round)} per round ({how}), "
-                   f"≈ {_gib(need)} for the {left} round(s) to go")
+                   f"≈ {_gib(need)} for the {left} round(s) to go"
+                   + (f" with keep_rounds = {recipe.keep_rounds}" if recipe.keep_rounds else ""))
         if left and free < per_round:
             ctx.add("disk space", False, detail + ": not enough for one round",
                     "free space, or put the run on a bigger disk (--out DIR)")
             return
         if free < need:
             ctx.add("disk space", False, detail + ": it will fill up before the last round",
-                    "free space, put the run on a bigger disk (--out DIR), or run fewer rounds (--rounds N)",
-                    level="warning")
+                    "free space, put the run on a bigger disk (--out DIR), run fewer rounds (--rounds N), or keep "
+                    "fewer rounds' rollout shards (keep_rounds = N in the recipe)", level="warning")
             return
     if free < LOW_DISK_GIB * GiB:
         ctx.add("disk space", False, detail + f" (under {LOW_DISK_GIB} GiB)",

@@ -27,6 +27,7 @@ from tpkit.errors import InputError
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+PRUNED = "pruned.json"  # a finished rollout folder whose shards `tpkit run` deleted (keep_rounds): what and why
 STAGE_FILE = "stage.json"  # a stage folder's identity, written before any output (see `stage_lock`)
 ADVANTAGES_FILE = "advantages.parquet"
 METRICS_FILE = "metrics.jsonl"
@@ -142,6 +143,7 @@ def write_manifest(folder: Path, stage: str, config: dict, inputs: dict, counts:
         "config": config, "inputs": inputs, "counts": counts, **({"identity": identity} if identity else {}), **extra,
     }
     atomic_write_json(Path(folder) / MANIFEST, manifest)
+    (Path(folder) / PRUNED).unlink(missing_ok=True)  # the stage wrote its outputs again
     return manifest
 
 
@@ -166,7 +168,27 @@ def read_manifest(folder: Path, stage: str) -> dict:
         raise InputError(f"{folder}: holds a {manifest.get('stage')!r} stage, expected {stage!r}",
                          "pass the folder written by the right stage")
     check_schema_version(manifest.get("schema_version"), path)
+    if (Path(folder) / PRUNED).is_file():
+        raise InputError(f"{folder}: its shards were deleted by `tpkit run` (keep_rounds) once its round was trained",
+                         f"rerun `tpkit {stage}` into that folder with the options in its {MANIFEST}: it writes the same "
+                         "shards again (or set keep_rounds = 0 in the recipe to keep every round's)")
     return manifest
+
+
+def prune_shards(folder: Path, why: str) -> int:
+    """Delete a finished rollout folder's shards (the cached latents and final images: nearly all of a
+    round's bytes); its manifest, shard stats and every later stage's files stay. PRUNED is written
+    first, so a crash midway leaves the record and the next call finishes. Returns the bytes freed."""
+    folder = Path(folder)
+    shards = list_shards(folder)
+    if not shards:
+        return 0
+    freed = sum(p.stat().st_size for p in shards)
+    if not (folder / PRUNED).is_file():
+        atomic_write_json(folder / PRUNED, {"deleted": "shards", "why": why, "shards": len(shards)})
+    for p in shards:
+        p.unlink(missing_ok=True)
+    return freed
 
 
 def check_schema_version(version: Any, where: Path | str) -> None:

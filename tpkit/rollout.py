@@ -176,6 +176,8 @@ def _run(cfg: RolloutConfig, ident: dict, prompts: list[Prompt]) -> dict | None:
     if not all(done):
         return None
     files = [d[0] for d in done]
+    if (out / layout.PRUNED).is_file():  # shards `tpkit run` had deleted, written again: are they the same bytes?
+        _check_rewritten(out, {f.name: _shard_sha256(f) for f in files})
     stats = layout.sum_stats(files)
     meta0 = layout.read_shard(files[0], load_tensors=False)[1][0].meta
     return layout.write_manifest(
@@ -187,6 +189,20 @@ def _run(cfg: RolloutConfig, ident: dict, prompts: list[Prompt]) -> dict | None:
         seconds=stats.get("seconds", {}), window_start=start, sigmas=meta0["sigmas"],
         shards=[f.name for f in files],
     )
+
+
+def _check_rewritten(out: Path, sha256: dict[str, str]) -> None:
+    """Later stages of the round were computed on the deleted shards: say so if the new ones differ."""
+    from tpkit.ui import console
+
+    old = json.loads((out / layout.MANIFEST).read_text()).get("shard_sha256", {})
+    differ = sorted(n for n in sha256 if old.get(n) != sha256[n])
+    if differ:
+        console.print(f"[yellow]warning: {len(differ)} of {len(sha256)} rewritten shards differ from the deleted ones "
+                      f"(other kernels or hardware?), e.g. {differ[0]}: this round's scores, advantages and training "
+                      "were computed on the deleted ones[/]")
+    else:
+        console.print(f"{out}: the deleted shards are written again, byte for byte")
 
 
 def identity(cfg: RolloutConfig) -> dict:

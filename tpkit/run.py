@@ -65,8 +65,8 @@ def stage_dirs(run_dir: Path, r: int) -> dict[str, Path]:
     return {s: base / s for s in ("rollout", "score", "advantages", "train")}
 
 
-# Recipe keys a continued run may change: how far to go and where to log.
-FREE_ON_CONTINUE = ("rounds", "log_with", "log_images_every")
+# Recipe keys a continued run may change: how far to go, where to log and what to keep.
+FREE_ON_CONTINUE = ("rounds", "log_with", "log_images_every", "keep_rounds")
 
 
 def _fixed(recipe: dict) -> dict:
@@ -171,6 +171,32 @@ def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | No
     console.print(f"round {r}: final reward {line['reward_mean']:.4g} ± {line['reward_std']:.4g} "
                   f"(n = {line['n']}), turning-point rate {line['turning_point_rate']:.1%}")
     return line
+
+
+def round_done(run_dir: Path, r: int) -> bool:
+    return (layout.round_dir(run_dir, r) / ROUND_JSON).is_file() and (stage_dirs(run_dir, r)["train"] / layout.MANIFEST).is_file()
+
+
+def prune_rounds(run_dir: Path, keep: int) -> dict[int, int]:
+    """keep_rounds: delete the rollout shards of finished rounds but round 0 and the last `keep` (0: keep
+    all). Shards are nearly all of a round's bytes (SD3.5-Medium: ~5 MB of cached latents a trajectory)
+    and nothing reads them once the round has trained; manifests, Parquet tables, adapters, optimizer
+    state and evaluations stay, and rerunning that rollout writes the same shards again.
+    Returns {round: bytes freed} for the rounds pruned now."""
+    if not keep:
+        return {}
+    finished = sorted(int(p.name.removeprefix("round-")) for p in Path(run_dir).glob("round-[0-9][0-9][0-9][0-9]")
+                      if round_done(run_dir, int(p.name.removeprefix("round-"))))
+    freed = {r: layout.prune_shards(stage_dirs(run_dir, r)["rollout"], f"keep_rounds = {keep}") for r in finished[:-keep] if r}
+    return {r: b for r, b in freed.items() if b}
+
+
+def _prune(run_dir: Path, keep: int) -> None:
+    from tpkit.ui import console
+
+    if freed := prune_rounds(run_dir, keep):
+        console.print(f"keep_rounds = {keep}: deleted the rollout shards of round(s) {', '.join(map(str, freed))} "
+                      f"({sum(freed.values()) / 2**20:.1f} MiB)")
 
 
 def round_summary(run_dir: Path, r: int, seconds: dict) -> dict:
@@ -300,7 +326,7 @@ def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
         # 3. Rounds; finished ones are skipped, a half-finished one resumes at its first missing stage.
         t0 = time.perf_counter()
         for r in range(recipe.rounds):
-            if (layout.round_dir(run_dir, r) / ROUND_JSON).is_file() and (stage_dirs(run_dir, r)["train"] / layout.MANIFEST).is_file():
+            if round_done(run_dir, r):
                 continue
             elapsed = time.perf_counter() - t0
             console.rule(f"[bold]round {r + 1}/{recipe.rounds}[/] ({recipe.method}, {run_dir})"
@@ -312,12 +338,14 @@ def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
             if line is None:
                 wait_for(layout.round_dir(run_dir, r) / ROUND_JSON, f"round {r}")
                 continue
-            # 4. After every round (main process): rounds.jsonl, report.png and the tracker.
+            # 4. After every round (main process): rounds.jsonl, report.png, the tracker, old rounds' shards.
             report.write(run_dir, write_rounds(run_dir, recipe.rounds))
             if tracker:
                 log_round(tracker, recipe, run_dir, line)
+            _prune(run_dir, recipe.keep_rounds)
     if rank != 0:
         return []
+    _prune(run_dir, recipe.keep_rounds)  # keep_rounds may have been lowered for a finished run
     lines = write_rounds(run_dir, recipe.rounds)
     if lines and not (run_dir / report.REPORT).is_file():
         report.write(run_dir, lines)

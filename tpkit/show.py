@@ -207,6 +207,10 @@ def inspect(path: Path) -> None:
             shards = layout.list_shards(path)
             if shards:
                 shard_view(shards[0])
+            elif (path / layout.PRUNED).is_file():
+                why = json.loads((path / layout.PRUNED).read_text()).get("why", "")
+                console.print(f"its shards were deleted by `tpkit run` ({why}) once the round was trained; rerun "
+                              f"`tpkit rollout` into it with the options above to write the same shards again")
         elif stage == "score":
             scores_view(layout.read_parquet_tables(path, "score"))
         elif stage == "advantages":
