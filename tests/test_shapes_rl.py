@@ -43,6 +43,17 @@ def test_one_round_of_the_main_job(tmp_path):
     assert change["round"] == 0 and change["metric"] == "geneval_overall"
     assert change["base"] == base["geneval_overall"] and change["last"] == line["eval"]["geneval_overall"]
     assert abs(change["delta"] - (change["last"] - change["base"])) < 1e-12
+    # report.png's images: the same held-out prompts and seeds before and after, with GenEval's verdicts
+    from tpkit import report
+
+    before, after = report.eval_cells(tmp_path / "run" / run.BASE_EVAL), report.eval_cells(run.eval_dir(tmp_path / "run", 0))
+    assert len(before) == len(after) == report.GRID_IMAGES and [c[1] for c in before] == [c[1] for c in after]
+    rows = sorted((r for r in layout.read_jsonl(tmp_path / "run" / run.BASE_EVAL / "results.jsonl") if r["sample"] == 0),
+                  key=lambda r: r["index"])
+    picked = [rows[i * len(rows) // report.GRID_IMAGES] for i in range(report.GRID_IMAGES)]  # evenly over the file
+    assert [(c[1], c[2]) for c in before] == [(r["prompt"], r["correct"]) for r in picked]
+    assert len({r["tag"] for r in picked}) == 6  # every GenEval task shows
+    assert report.image_rows([before, after]).shape[:2] == (2 * (128 + 3 * 12 + 4), report.GRID_IMAGES * 128)
     train = json.loads((tmp_path / "run" / "round-0000" / "train" / layout.MANIFEST).read_text())
     assert train["counts"]["optimizer_steps"] >= 1
     assert (tmp_path / "run" / "report.png").is_file()

@@ -15,18 +15,64 @@ REPORT = "report.png"
 GRID_IMAGES = 8
 
 
-def final_images(rollout_dir: Path, n: int = GRID_IMAGES) -> list[np.ndarray]:
-    """The first n trajectories' final images (by trajectory id, so rounds line up)."""
+def final_images(rollout_dir: Path, n: int = GRID_IMAGES, with_prompts: bool = False) -> list:
+    """The first n trajectories' final images (by trajectory id, so rounds line up); with_prompts:
+    (image, prompt text) pairs."""
     from PIL import Image
 
     images = []
     for shard in layout.list_shards(rollout_dir):
-        _, trajs = layout.read_shard(shard, load_tensors=False)
+        prompts, trajs = layout.read_shard(shard, load_tensors=False)
         for t in sorted(trajs, key=lambda t: t.trajectory_id):
-            images.append(np.asarray(Image.open(io.BytesIO(t.final_png)).convert("RGB")))
+            image = np.asarray(Image.open(io.BytesIO(t.final_png)).convert("RGB"))
+            images.append((image, prompts[t.meta["prompt_id"]].prompt) if with_prompts else image)
             if len(images) == n:
                 return images
     return images
+
+
+Cell = tuple[np.ndarray, str, "bool | None"]  # an image, its caption, and GenEval's verdict (None: no verdict)
+
+
+def eval_cells(eval_dir: Path, n: int = GRID_IMAGES) -> list[Cell]:
+    """The first image of n prompts spread evenly over a held-out evaluation (GenEval's files are
+    ordered by task, so every task shows), captioned with the prompt (and the reward, if no verdict)."""
+    from PIL import Image
+
+    from tpkit import evaluate
+
+    rows = [r for r in layout.read_jsonl(eval_dir / evaluate.RESULTS) if r["sample"] == 0]
+    rows.sort(key=lambda r: r["index"])
+    picked = [rows[i * len(rows) // n] for i in range(min(n, len(rows)))]
+    cells = []
+    for r in picked:
+        path = evaluate.sample_path(evaluate.prompt_dir(eval_dir, r["index"]), 0)
+        caption = r["prompt"] if "correct" in r else f"{r['prompt']} ({r['reward']:.3g})"
+        cells.append((np.asarray(Image.open(path).convert("RGB")), caption, r.get("correct")))
+    return cells
+
+
+def image_rows(rows: list[list[Cell]], cell: int = 128) -> np.ndarray:
+    """Rows of images side by side, each framed green/red by its verdict (if any), with its caption
+    wrapped below it."""
+    import textwrap
+
+    from PIL import Image, ImageDraw
+
+    width = min(len(r) for r in rows)
+    lines, line_h = 3, 12
+    h = cell + lines * line_h + 4
+    canvas = Image.new("RGB", (width * cell, len(rows) * h), "white")
+    draw = ImageDraw.Draw(canvas)
+    for y, row in enumerate(rows):
+        for x, (image, caption, correct) in enumerate(row[:width]):
+            canvas.paste(Image.fromarray(image).resize((cell, cell)), (x * cell, y * h))
+            if correct is not None:
+                colour = (40, 180, 60) if correct else (220, 30, 30)
+                draw.rectangle([x * cell, y * h, (x + 1) * cell - 1, y * h + cell - 1], outline=colour, width=3)
+            for i, text in enumerate(textwrap.wrap(caption.removeprefix("a photo of "), 21)[:lines]):
+                draw.text((x * cell + 3, y * h + cell + 2 + i * line_h), text, fill=(0, 0, 0))
+    return np.asarray(canvas)
 
 
 def reward_by_branch(score_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
@@ -113,14 +159,25 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
     for a in (ax[0, 0], ax[1, 1]):  # rounds are whole numbers
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
 
-    # Final images: first round (top row) vs latest round (bottom row), same prompts and members.
+    # Images: with a held-out evaluation, the base model's against the latest evaluated adapter's (same
+    # prompts, same seeds: the change is the training's); else the first and latest round's samples.
     a = ax_images
-    rows = [final_images(layout.round_dir(run_dir, r) / "rollout") for r in sorted({first, last})]
+    from tpkit.run import BASE_EVAL, eval_dir
+
+    evaluated = [x["round"] for x in lines if x.get("eval")]
+    if evaluated and (run_dir / BASE_EVAL / layout.MANIFEST).is_file():
+        rows = [eval_cells(run_dir / BASE_EVAL), eval_cells(eval_dir(run_dir, evaluated[-1]))]
+        title = f"held-out prompts, same seeds: base model (top) vs after round {evaluated[-1]} (bottom)"
+    else:
+        rows = [[(im, text, None) for im, text in final_images(layout.round_dir(run_dir, r) / "rollout", with_prompts=True)]
+                for r in sorted({first, last})]
+        title = f"final images: round {first} (top) vs round {last} (bottom)"
+        if len(rows) == 2 and [c[1] for c in rows[0]] != [c[1] for c in rows[1]]:
+            title += ", other prompts"
     rows = [r for r in rows if r]
     if rows:
-        width = min(len(r) for r in rows)
-        a.imshow(np.concatenate([np.concatenate(r[:width], axis=1) for r in rows], axis=0))
-    a.set(title=f"final images: round {first} (top) vs round {last} (bottom)")
+        a.imshow(image_rows(rows))
+    a.set(title=title)
     a.axis("off")
 
     fig.suptitle(f"{run_dir.name}: {len(lines)} rounds")

@@ -60,6 +60,17 @@ degradation costs objects: at blur 2 px + noise 20 small triangles lose their ti
 (missed, rarely read as another class) and about 1 in 10 small circles and squares read as
 diamonds and circles. Images made of blocks (a palette colour field upsampled from a coarse grid)
 hold genuinely square patches, which are detected as squares.
+
+On tiny-shapes' own images (an audit by eye of the base model's first 96 failed images in its
+held-out evaluation, seed 0, 2026-12-03): 3 or 4 are the detector's mistakes rather than the
+model's. Shapes shaded darker than their palette colour (a navy triangle: its darkest pixels lie
+nearer black's line than blue's, so it splits into a "black" and a "blue" part that both fit
+badly), and clear but slightly uneven shapes in counting prompts, whose score (~0.75) falls under
+GenEval's counting threshold 0.9. The rest are the model's: empty canvases and specks, blobs that
+fit no shape, another shape drawn than the one named, objects in the wrong place. A likely fix,
+shades of a colour counted as that colour (the white-colour-black triangle in place of the
+white-colour line), would move every accuracy measured so far by a point or two, so it waits for
+a rerun of the comparison.
 """
 
 from __future__ import annotations
