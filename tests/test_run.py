@@ -431,6 +431,32 @@ def test_keep_rounds_deletes_old_rounds_shards_only(e2e, tmp_path, two_prompts, 
     assert [len(layout.list_shards(d)) for d in rollouts] == [1, 0, 1]
 
 
+def test_a_moved_run_folder_and_checkout_continue(tmp_path, two_prompts):
+    """A run folder copied elsewhere, continued from a recipe whose prompt file moved too (same bytes):
+    the finished round is kept as it is and the next one runs; other prompt bytes are another run."""
+    import shutil
+
+    from tpkit.run import run
+
+    first = tmp_path / "a"
+    (first / "data").mkdir(parents=True)
+    shutil.copy(two_prompts, first / "data" / "p.txt")
+    run(load_recipe(small_recipe(first, first / "data" / "p.txt", rounds=1), out=str(first / "run")))
+    # the checkout and the run folder move (a copy: the old paths no longer hold them)
+    second = tmp_path / "b"
+    shutil.copytree(first, second)
+    shutil.rmtree(first)
+    before = files_under(second / "run", 0)
+    lines = run(load_recipe(small_recipe(second, second / "data" / "p.txt", rounds=2), out=str(second / "run")))
+    assert [x["round"] for x in lines] == [0, 1] and files_under(second / "run", 0) == before
+    saved = tomllib.loads((second / "run" / "run.toml").read_text())
+    assert saved["out"] == str(second / "run") and saved["rollout"]["prompts"] == str((second / "data" / "p.txt").resolve())
+    # the same path with other prompts is another run
+    (second / "data" / "p.txt").write_text("a green apple\na blue door\n")
+    with pytest.raises(ConfigError, match="differs in: rollout"):
+        run(load_recipe(small_recipe(second, second / "data" / "p.txt", rounds=3), out=str(second / "run")))
+
+
 # --------------------------------------------------------------------------------------------
 # A real kill
 # --------------------------------------------------------------------------------------------

@@ -65,12 +65,33 @@ def stage_dirs(run_dir: Path, r: int) -> dict[str, Path]:
     return {s: base / s for s in ("rollout", "score", "advantages", "train")}
 
 
-# Recipe keys a continued run may change: how far to go, where to log and what to keep.
-FREE_ON_CONTINUE = ("rounds", "log_with", "log_images_every", "keep_rounds")
+# Recipe keys a continued run may change: how far to go, where to log, what to keep, and where the run
+# folder is (copied or moved, it continues: no stage identity holds a path).
+FREE_ON_CONTINUE = ("rounds", "log_with", "log_images_every", "keep_rounds", "out")
 
 
-def _fixed(recipe: dict) -> dict:
-    return {k: v for k, v in recipe.items() if k not in FREE_ON_CONTINUE}
+def prompt_digests(recipe: dict) -> dict[str, str | None]:
+    """The bytes of a recipe's prompt files by section (rollout, eval); None where a file is missing."""
+    paths = {s: (recipe.get(s) or {}).get("prompts") for s in ("rollout", "eval")}
+    return {s: layout.file_digest(Path(p)) if p and Path(p).is_file() else None for s, p in paths.items()}
+
+
+def _fixed(recipe: dict, digests: dict | None = None) -> dict:
+    """What defines a run: the recipe but for FREE_ON_CONTINUE, its prompt files by their bytes where
+    known (`digests`, default: read now), so that a checkout moved elsewhere holds the same run."""
+    fixed = {k: v for k, v in recipe.items() if k not in FREE_ON_CONTINUE}
+    for section, digest in (digests or prompt_digests(recipe)).items():
+        if digest and (fixed.get(section) or {}).get("prompts"):
+            fixed[section] = dict(fixed[section], prompts=f"sha256:{digest}")
+    return fixed
+
+
+def run_identity(recipe: Recipe) -> dict:
+    """The run folder's stage.json. The family follows from the model, as in rollout.identity (a forced
+    one is held by check_same_recipe): left out, runs started before tpkit had families keep theirs."""
+    fixed = _fixed(recipe.to_dict())
+    fixed["rollout"] = {k: v for k, v in fixed["rollout"].items() if k != "family"}
+    return layout.stage_identity("run", dict(fixed, rounds=None), inputs={})
 
 
 def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
@@ -85,7 +106,13 @@ def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
         saved = tomllib.loads(saved_path.read_text())
         if "rollout" in saved:  # written before tpkit had model families: those runs were SD3
             saved["rollout"].setdefault("family", models.recorded(saved["rollout"]))
-        a, b = _fixed(saved), _fixed(current)
+        # the prompt files' bytes as the run recorded them (stage.json), not as the saved paths hold them now:
+        # the checkout may have moved, or the file been edited; a run started by an older tpkit recorded paths
+        held = (layout.folder_identity(run_dir) or {}).get("options", {})
+        recorded = {s: str((held.get(s) or {}).get("prompts", "")) for s in ("rollout", "eval")}
+        digests = {s: recorded[s].removeprefix("sha256:") if recorded[s].startswith("sha256:") else d
+                   for s, d in prompt_digests(saved).items()}
+        a, b = _fixed(saved, digests), _fixed(current)
         if a != b:
             diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
             raise ConfigError(f"{run_dir} was started with a different recipe (differs in: {', '.join(diff)})",
@@ -286,15 +313,11 @@ def write_rounds(run_dir: Path, rounds: int) -> list[dict]:
 def claim_run_folder(run_dir: Path, recipe: Recipe, overwrite: bool, world: int) -> None:
     """The run folder holds this recipe's run (any number of rounds) and nothing else; --overwrite
     starts it again from an empty folder."""
-    fixed = _fixed(recipe.to_dict())
-    # The family follows from the model, as in rollout.identity (a forced one is held by check_same_recipe):
-    # left out, runs started before tpkit had families keep their identity.
-    fixed["rollout"] = {k: v for k, v in fixed["rollout"].items() if k != "family"}
-    ident = layout.stage_identity("run", dict(fixed, rounds=None), inputs={})
+    ident = run_identity(recipe)
     if not overwrite and (run_dir / RUN_TOML).is_file():
         check_same_recipe(run_dir, recipe)  # refuses another recipe, naming the keys that differ
-        if not (run_dir / layout.STAGE_FILE).is_file():  # a run started by an older tpkit
-            layout.atomic_write_json(run_dir / layout.STAGE_FILE, ident)
+        # the same run: its identity as this tpkit writes it (older ones held paths, or no stage.json)
+        layout.atomic_write_json(run_dir / layout.STAGE_FILE, ident)
     with layout.stage_lock(run_dir, 0, overwrite, world, ident):
         check_same_recipe(run_dir, recipe)
 
