@@ -465,14 +465,13 @@ _WIRED = {
 }
 _SECTIONS = {"rollout": RolloutConfig, "score": ScoreConfig, "advantages": AdvantagesConfig, "train": TrainConfig,
              "eval": EvalConfig}
-_TOP = {"name", "rounds", "out", "method", "seed", "rewards", "eval_every", "log_with", "log_images_every", "keep_rounds"}
 
 
 @dataclass
 class Recipe:
-    name: str
+    name: str  # default: the recipe file's stem
     rounds: int
-    out: str
+    out: str  # default: runs/NAME
     method: str
     seed: int
     rollout: RolloutConfig
@@ -480,6 +479,7 @@ class Recipe:
     advantages: AdvantagesConfig
     train: TrainConfig
     eval: EvalConfig
+    # Top-level keys with a default (counts: at least 0); [rewards] is the score section's rewards.
     eval_every: int = 0  # evaluate the adapter every N rounds (0: never), logged in rounds.jsonl
     log_with: str = "none"  # none | tensorboard | wandb (tpkit.tracking); may change when a run is continued
     log_images_every: int = 5  # with a tracker: a grid of the round's samples every N rounds (0: never)
@@ -493,12 +493,15 @@ class Recipe:
 
         rewards = {k: ({"weight": w, **self.score.reward_options[k]} if self.score.reward_options.get(k) else w)
                    for k, w in self.score.rewards.items()}
-        d = {"name": self.name, "rounds": self.rounds, "out": self.out, "method": self.method, "seed": self.seed,
-             "rewards": rewards, "eval_every": self.eval_every, "log_with": self.log_with,
-             "log_images_every": self.log_images_every, "keep_rounds": self.keep_rounds}
+        d = {k: getattr(self, k) for k in _SCALARS} | {"rewards": rewards}
         for section, cls in _SECTIONS.items():
             d[section] = {k: v for k, v in asdict(getattr(self, section)).items() if k not in _WIRED[section]}
         return clean(d)
+
+
+_SCALARS = {f.name: str(f.type) for f in fields(Recipe) if f.name not in _SECTIONS}  # top-level key -> type
+_DEFAULTED = {f.name: f.default for f in fields(Recipe) if f.default is not MISSING}
+_TOP = set(_SCALARS) | {"rewards"}
 
 
 def parse_value(text: str) -> Any:
@@ -580,8 +583,7 @@ def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None 
         except TypeError as e:
             raise ConfigError(f"{path}: [{name}]: {e}", "check the section's keys and values") from None
         check_types(sections[name], name)
-    for key, kind in (("name", "str"), ("rounds", "int"), ("out", "str"), ("method", "str"), ("seed", "int"),
-                      ("eval_every", "int"), ("log_with", "str"), ("log_images_every", "int"), ("keep_rounds", "int")):
+    for key, kind in _SCALARS.items():
         if key in data and not _type_ok(data[key], kind)[0]:
             raise ConfigError(f"{path}: {key} = {data[key]!r} is not of type {kind}", f"set {key} to a {kind} value")
     method = data.get("method", "tp-grpo")
@@ -605,11 +607,12 @@ def load_recipe(path: str | Path, overrides: list[str] = (), rounds: int | None 
     recipe = Recipe(
         name=str(data.get("name", path.stem)), rounds=int(rounds if rounds is not None else data.get("rounds", 1)),
         out=str(out or data.get("out") or Path("runs") / path.stem), method=method, seed=int(data.get("seed", 0)),
-        eval_every=int(data.get("eval_every", 0)), log_with=str(log_with or data.get("log_with", "none")),
-        log_images_every=int(data.get("log_images_every", 5)), keep_rounds=int(data.get("keep_rounds", 0)), **sections,
+        **{k: data.get(k, default) for k, default in _DEFAULTED.items()}, **sections,
     )
-    for key in ("eval_every", "log_images_every", "keep_rounds"):
-        _positive(key, getattr(recipe, key), allow_zero=True)
+    recipe.log_with = log_with or recipe.log_with
+    for key in _DEFAULTED:
+        if _SCALARS[key] == "int":
+            _positive(key, getattr(recipe, key), allow_zero=True)
     _choice("log_with", recipe.log_with, TRACKERS)
     if recipe.eval_every:
         recipe.eval.validate()
