@@ -19,7 +19,7 @@ import typer
 
 from tpkit import config
 from tpkit.config import AdvantagesConfig, CompareConfig, EvalConfig, RolloutConfig, ScoreConfig, TrainConfig, field_help
-from tpkit.errors import TpkitError
+from tpkit.errors import InputError, TpkitError
 
 app = typer.Typer(
     name="tpkit", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -414,6 +414,30 @@ def inspect(path: Path = typer.Argument(..., help="A stage folder, a .tar shard 
 
 
 @app.command()
+def trajectory(
+    round_dir: Optional[Path] = typer.Argument(None, metavar="[ROUND]",
+                                               help="A round folder of `tpkit run` (its rollout/, score/, advantages/)."),
+    rollout: Optional[Path] = typer.Option(None, help="Rollout folder (default: ROUND/rollout)."),
+    scores: Optional[Path] = typer.Option(None, help="Scores folder of that rollout, every branch (default: ROUND/score)."),
+    advantages: Optional[Path] = typer.Option(None, help="Advantages folder or file (default: ROUND/advantages, if any)."),
+    id: Optional[str] = typer.Option(None, "--id", help="Trajectory id (default: the one with the most turning points)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="PNG to write (default: ./trajectory-ID.png)."),
+    device: str = opt(ScoreConfig, "device"), dtype: str = opt(ScoreConfig, "dtype"),
+) -> None:
+    """One trajectory step by step: each window state's ODE-branch image (recomputed, checked against
+    the stored R_k), step rewards, turning points and advantages, as a PNG and a table."""
+    from tpkit import trajectory as stage
+    from tpkit.show import trajectory_view
+
+    if round_dir is None and (rollout is None or scores is None):
+        raise InputError("no trajectory to show", "pass a round folder of `tpkit run`, or --rollout and --scores")
+    base = Path(round_dir) if round_dir else None
+    adv = advantages or (base / "advantages" if base and (base / "advantages").is_dir() else None)
+    result = stage.run(rollout or base / "rollout", scores or base / "score", adv, id, out, device, dtype)
+    trajectory_view(result)
+
+
+@app.command()
 def rewards() -> None:
     """List the built-in rewards and what each needs."""
     from rich.table import Table
@@ -446,7 +470,6 @@ def pretrain_shapes(
 
 def _new_file(out: Path, overwrite: bool) -> None:
     """A command writing one file never replaces an existing one (a shipped prompt set ...) unasked."""
-    from tpkit.errors import InputError
 
     if out.exists() and not overwrite:
         raise InputError(f"{out} already exists", "pass another --out, or --overwrite to replace it")

@@ -76,6 +76,7 @@ class BranchScorer:
             if cfg.reward_workers else None
         self.counters = Counters()
         self.phases = Phases(model.device if model is not None else None)
+        self.images: dict | None = None  # set to {} to keep every decoded branch image by (trajectory, k)
 
     def close(self) -> None:
         if self.pool:
@@ -148,6 +149,8 @@ class BranchScorer:
                 with self.phases("decode"):
                     images = model.decode(torch.stack([b.x for b in batch]))
                 c.decodes += len(batch)
+                if self.images is not None:
+                    self.images.update({(b.traj, b.k): im for b, im in zip(batch, images)})
                 futures.append(self._score_async([(b.traj, b.k) for b in batch], list(images), trajs, prompts))
                 advance(len(batch))
 

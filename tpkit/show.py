@@ -165,6 +165,31 @@ def heldout_verdict(c: dict) -> str:
     return f"[green]{line}[/]" if c["delta"] > 0 else f"[red]{line}: worse than the base model[/]"
 
 
+def trajectory_view(result: dict) -> None:
+    """The table of `tpkit trajectory`: R_k per state, then per step d_k, turning point and advantage."""
+    from tpkit.trajectory import STORED_TOLERANCE
+
+    steps = {r["step"]: r for r in result["steps"]}
+    t = Table(title=f"trajectory {result['trajectory_id']}", title_justify="left")
+    for c in ("k", "R_k", "d_k", "candidate", "turning point", "aggregated", "advantage"):
+        t.add_column(c, justify="right")
+    for k, reward in enumerate(result["recomputed"]):
+        s = steps.get(k)
+        t.add_row(str(k), _fmt(reward) + ("" if k in result["stored"] else " *"), *([_fmt(s["step_reward"]), "yes" if s["turning_point_candidate"] else "",
+                                           "[bold]yes[/]" if s["turning_point"] else "", _fmt(s["aggregated_reward"]),
+                                           _fmt(s["advantage"])] if s else [""] * 5))
+    console.print(t)
+    if len(result["stored"]) < len(result["recomputed"]):
+        console.print("* not in the scores (Flow-GRPO scores R_K only): computed now, nothing to check it against")
+    diff = result["max_difference"]
+    if diff > STORED_TOLERANCE:
+        console.print(f"[yellow]warning: the recomputed R_k differ from the stored ones by up to {diff:.3g} (other "
+                      "hardware, dtype or batching): the images are close to, not exactly, what was scored[/]")
+    else:
+        console.print(f"recomputed R_k = stored R_k (max difference {diff:.2g}): the images are what was scored")
+    console.print(f"[green]wrote[/] {result['png']}")
+
+
 def eval_view(manifest: dict) -> None:
     """The summary of `tpkit eval reward|geneval`."""
     summ = manifest["summary"]
