@@ -37,6 +37,7 @@ def test_one_round_of_the_main_job(tmp_path):
     # the run evaluated the base model once, then the round's adapter, on the held-out prompts
     base = run.base_eval(tmp_path / "run")
     assert base is not None and 0 <= base["geneval_overall"] <= 1
+    assert 0 < base["geneval_overall_se"] < 0.2  # over 96 prompts: report.png's error bars
     assert line["eval"] is not None and 0 <= line["eval"]["geneval_overall"] <= 1
     # and the run's verdict pairs the two evaluations over the same prompts
     change = run.heldout_change(tmp_path / "run", lines)

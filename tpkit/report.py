@@ -126,7 +126,9 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
         if base := base_eval(run_dir):  # the starting model, drawn at round -1
             evals.insert(0, (-1, base))
         b = a.twinx()
-        b.plot([r for r, _ in evals], [e.get(key) for _, e in evals], "s--", color="tab:red", label=f"held-out {key}")
+        half = [1.96 * e[f"{key}_se"] if np.isfinite(e.get(f"{key}_se", np.nan)) else 0.0 for _, e in evals]
+        b.errorbar([r for r, _ in evals], [e.get(key) for _, e in evals], yerr=half, fmt="s--", capsize=3,
+                   color="tab:red", label=f"held-out {key} (95 % over prompts)")
         b.set_ylabel(f"held-out {key}", color="tab:red")
         b.legend(loc="lower right")
     a.legend(loc="upper left")

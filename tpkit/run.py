@@ -256,11 +256,18 @@ def _eval_summary(folder: Path) -> dict | None:
     """The headline numbers of a round's evaluation, if it had one."""
     if not (folder / layout.MANIFEST).is_file():
         return None
+    from tpkit import compare, evaluate
+    from tpkit.report import eval_key
+
     m = json.loads((folder / layout.MANIFEST).read_text())
     s = m["summary"]
     if m["stage"] == "eval-geneval":
-        return {"geneval_overall": s["overall"], **{f"geneval_{t}": v["accuracy"] for t, v in s["tasks"].items()}}
-    return {c: v["mean"] for c, v in s["overall"].items()}
+        out = {"geneval_overall": s["overall"], **{f"geneval_{t}": v["accuracy"] for t, v in s["tasks"].items()}}
+    else:
+        out = {c: v["mean"] for c, v in s["overall"].items()}
+    key = eval_key(out)  # the headline's standard error over prompts, for report.png's error bars
+    rows = layout.read_jsonl(folder / evaluate.RESULTS) if (folder / evaluate.RESULTS).is_file() else []
+    return out | ({f"{key}_se": compare.paired_cell(rows, None, key)["se"]} if rows else {})
 
 
 def log_round(tracker: tracking.Tracker, recipe: Recipe, run_dir: Path, line: dict) -> None:
