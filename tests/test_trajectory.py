@@ -44,7 +44,17 @@ def test_cli(tiny_run, tmp_path, capsys):
     assert "no trajectory 'p09999-m000'" in capsys.readouterr().err
     assert cli("trajectory", "--out", tmp_path / "none.png") != 0
     assert "pass a round folder" in capsys.readouterr().err
+    assert cli("trajectory", tiny_run / "rollout", "--out", tmp_path / "none.png") != 0  # a stage folder, not a round
+    assert "is not a round folder" in capsys.readouterr().err
     assert not (tmp_path / "none.png").exists()
+    # --out a folder, or a file already there: refused before any work; --overwrite replaces the file
+    assert cli("trajectory", tiny_run, "--out", tmp_path) != 0
+    assert "is a folder" in capsys.readouterr().err
+    before = (tmp_path / "one.png").read_bytes()
+    assert cli("trajectory", tiny_run, "--id", "p00000-m000", "--out", tmp_path / "one.png") != 0
+    assert "already exists" in capsys.readouterr().err and (tmp_path / "one.png").read_bytes() == before
+    assert cli("trajectory", tiny_run, "--id", "p00000-m000", "--out", tmp_path / "one.png", "--overwrite") == 0
+    assert (tmp_path / "one.png").read_bytes() != before
 
 
 def test_flow_grpo_scores_hold_r_k_only(tiny_run, tmp_path, capsys):

@@ -422,6 +422,7 @@ def trajectory(
     advantages: Optional[Path] = typer.Option(None, help="Advantages folder or file (default: ROUND/advantages, if any)."),
     id: Optional[str] = typer.Option(None, "--id", help="Trajectory id (default: the one with the most turning points)."),
     out: Optional[Path] = typer.Option(None, "--out", help="PNG to write (default: ./trajectory-ID.png)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing --out file."),
     device: str = opt(ScoreConfig, "device"), dtype: str = opt(ScoreConfig, "dtype"),
 ) -> None:
     """One trajectory step by step: each window state's ODE-branch image (recomputed, checked against
@@ -432,8 +433,12 @@ def trajectory(
     if round_dir is None and (rollout is None or scores is None):
         raise InputError("no trajectory to show", "pass a round folder of `tpkit run`, or --rollout and --scores")
     base = Path(round_dir) if round_dir else None
+    if base and not (rollout and scores) and not (base / "rollout").is_dir():
+        raise InputError(f"{base} is not a round folder of `tpkit run` (no rollout/ in it)",
+                         "pass a round folder (runs/NAME/round-0003), or --rollout and --scores")
     adv = advantages or (base / "advantages" if base and (base / "advantages").is_dir() else None)
-    result = stage.run(rollout or base / "rollout", scores or base / "score", adv, id, out, device, dtype)
+    result = stage.run(rollout or base / "rollout", scores or base / "score", adv, id, out, device, dtype,
+                       overwrite=overwrite)
     trajectory_view(result)
 
 

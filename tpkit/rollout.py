@@ -176,15 +176,16 @@ def _run(cfg: RolloutConfig, ident: dict, prompts: list[Prompt]) -> dict | None:
     if not all(done):
         return None
     files = [d[0] for d in done]
+    sha256 = {f.name: _shard_sha256(f) for f in files}
     if (out / layout.PRUNED).is_file():  # shards `tpkit run` had deleted, written again: are they the same bytes?
-        _check_rewritten(out, {f.name: _shard_sha256(f) for f in files})
+        _check_rewritten(out, sha256)
     stats = layout.sum_stats(files)
     meta0 = layout.read_shard(files[0], load_tensors=False)[1][0].meta
     return layout.write_manifest(
         out, "rollout", to_dict(cfg), identity=ident, rollout_id=ident["id"],
         inputs={"prompts": str(cfg.prompts), "prompts_sha256": ident["inputs"]["prompts_sha256"], "model": cfg.model,
                 "lora": cfg.lora, "lora_sha256": ident["inputs"]["lora_sha256"]},
-        shard_sha256={f.name: _shard_sha256(f) for f in files},
+        shard_sha256=sha256,
         counts={"shards": len(files), **stats.get("counts", {})},
         seconds=stats.get("seconds", {}), window_start=start, sigmas=meta0["sigmas"],
         shards=[f.name for f in files],

@@ -53,7 +53,7 @@ def _find(rollout: Path, trajectory_id: str):
 
 
 def run(rollout: Path, scores: Path, advantages: Path | None, trajectory_id: str | None, out: Path | None,
-        device: str = "auto", dtype: str = "auto") -> dict:
+        device: str = "auto", dtype: str = "auto", overwrite: bool = False) -> dict:
     """Recompute, check and draw one trajectory; returns {"trajectory_id", "png", "steps" (its advantages rows),
     "stored" ({k: R_k} as scored: every k, or K alone for Flow-GRPO), "recomputed" (R_0..R_K),
     "max_difference" (over the stored ones), "images" (the branch images, uint8 [H, W, 3])}."""
@@ -73,6 +73,11 @@ def run(rollout: Path, scores: Path, advantages: Path | None, trajectory_id: str
     tid = choose(adv_rows, score_rows, trajectory_id)
     stored = {r["branch"]: r["reward"] for r in score_rows if r["trajectory_id"] == tid}
     steps = sorted((r for r in adv_rows if r["trajectory_id"] == tid), key=lambda r: r["step"])
+    out = Path(out) if out else Path(f"trajectory-{tid}.png")  # checked before the model loads
+    if out.is_dir():
+        raise InputError(f"--out {out} is a folder", "pass the PNG file to write, e.g. --out trajectory.png")
+    if out.exists() and not overwrite:
+        raise InputError(f"{out} already exists", "pass another --out, or --overwrite to replace it")
     prompts, traj = _find(rollout, tid)
     K = traj.meta["window_size"]  # Flow-GRPO's scores hold R_K only: the other R_k are computed here, unchecked
 
@@ -96,7 +101,6 @@ def run(rollout: Path, scores: Path, advantages: Path | None, trajectory_id: str
     # 3. What was drawn is what was scored?
     diff = max(abs(again[k] - r) for k, r in stored.items())
     # 4. The picture.
-    out = Path(out) if out else Path(f"trajectory-{tid}.png")
     sigmas = traj.meta["sigmas"][traj.meta["window_start"]: traj.meta["window_start"] + K + 1]
     layout.atomic_write(out, _png(tid, traj.meta["prompt"], images, again, sigmas, steps))
     return {"trajectory_id": tid, "png": out, "steps": steps, "stored": stored, "recomputed": again,
