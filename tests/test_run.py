@@ -457,6 +457,40 @@ def test_a_moved_run_folder_and_checkout_continue(tmp_path, two_prompts):
         run(load_recipe(small_recipe(second, second / "data" / "p.txt", rounds=3), out=str(second / "run")))
 
 
+def test_score_runs_the_policy_that_sampled_even_after_a_move(tmp_path, two_prompts):
+    """Scoring a round again finds its rollout's LoRA when the run folder moved (the manifest holds the
+    old absolute path), and refuses an adapter that changed since the rollout sampled with it."""
+    import shutil
+
+    from tpkit import score
+    from tpkit.errors import InputError
+    from tpkit.run import run
+
+    run(load_recipe(small_recipe(tmp_path, two_prompts, rounds=2), out=str(tmp_path / "a")))
+    shutil.move(tmp_path / "a", tmp_path / "b")
+    r1 = tmp_path / "b" / "round-0001"
+    recorded = Path(layout.read_manifest(r1 / "rollout", "rollout")["config"]["lora"])
+    assert not recorded.exists() and str(recorded).startswith(str(tmp_path / "a"))
+    before = layout.read_parquet_tables(r1 / "score", "score").to_pylist()
+    settings = layout.read_manifest(r1 / "score", "score")["config"]
+    settings = {k: v for k, v in settings.items() if k in field_names(ScoreConfig)}
+    score.run(ScoreConfig(**{**settings, "rollout": str(r1 / "rollout"), "out": str(tmp_path / "again")}))
+    assert layout.read_parquet_tables(tmp_path / "again", "score").to_pylist() == before
+
+    # the adapter retrained after the rollout (here: one weight changed) is another policy
+    from safetensors.torch import load_file, save_file
+
+    moved = tmp_path / "b" / recorded.relative_to(tmp_path / "a")
+    weights = next(moved.glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = next(iter(tensors))
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, weights)
+    with pytest.raises(InputError, match="no longer the LoRA"):
+        score.run(ScoreConfig(**{**settings, "rollout": str(r1 / "rollout"), "out": str(tmp_path / "third")}))
+    assert not (tmp_path / "third").exists() or not list((tmp_path / "third").glob("*.parquet"))
+
+
 # --------------------------------------------------------------------------------------------
 # A real kill
 # --------------------------------------------------------------------------------------------

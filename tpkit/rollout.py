@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 from tpkit import formulas, layout
 from tpkit.config import RolloutConfig, to_dict
+from tpkit.errors import InputError
 from tpkit.layout import Prompt, PromptRecord, ShardWriter, TrajectoryRecord
 from tpkit.runtime import png_bytes
 from tpkit.timing import Phases
@@ -226,3 +228,25 @@ def _shard_sha256(shard: Path) -> str:
         return json.loads(side.read_text())["sha256"]
     except (OSError, KeyError, json.JSONDecodeError):
         return layout.file_digest(shard)
+
+
+def sampling_lora(manifest: dict, rollout_dir: Path) -> str | None:
+    """The policy LoRA a rollout was sampled with, for the stages that must run that same policy again
+    (score's branch completions, `tpkit trajectory`): the recorded path, or, when the run folder has
+    moved since, the same place relative to the rollout folder; its contents must still be the
+    recorded ones (an adapter retrained after the rollout would complete the branches with another policy)."""
+    rc = manifest["config"]
+    if not rc.get("lora"):
+        return None
+    recorded = Path(rc["lora"])
+    path = recorded
+    if not recorded.exists() and rc.get("out"):
+        moved = Path(rollout_dir) / os.path.relpath(recorded, rc["out"])
+        path = moved if moved.exists() else recorded
+    if not path.exists():
+        raise InputError(f"{rollout_dir} was sampled with the LoRA {recorded}, which is gone",
+                                "put that adapter back (or rerun the rollout with the adapter you have)")
+    if layout.tree_digest(path) != manifest["inputs"].get("lora_sha256"):
+        raise InputError(f"{path} is no longer the LoRA {rollout_dir} was sampled with (it changed since)",
+                                "rerun the rollout with it (the scores must come from the policy that sampled)")
+    return str(path)

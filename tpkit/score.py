@@ -242,6 +242,7 @@ def identity(cfg: ScoreConfig, rollout: dict) -> dict:
 def _run(cfg: ScoreConfig, rewards: list[Reward], rollout: dict, shards: list[Path], ident: dict) -> dict | None:
 
     from tpkit import models
+    from tpkit.rollout import sampling_lora
     from tpkit.ui import track
 
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
@@ -258,7 +259,7 @@ def _run(cfg: ScoreConfig, rewards: list[Reward], rollout: dict, shards: list[Pa
         model = None
         if cfg.branches == "all":
             model = models.load(rc["model"], models.recorded(rc), device=cfg.device, dtype=cfg.dtype, text_encoders=False,
-                                lora=rc["lora"], reuse=True, fuse_lora=True)
+                                lora=sampling_lora(rollout, rollout_dir), reuse=True, fuse_lora=True)
         scorer = BranchScorer(model, rewards, cfg)
         reference = None
         per_traj = rc["window_size"] if cfg.branches == "all" else 0

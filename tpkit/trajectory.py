@@ -60,6 +60,7 @@ def run(rollout: Path, scores: Path, advantages: Path | None, trajectory_id: str
     from tpkit import models
     from tpkit.config import ScoreConfig, field_names
     from tpkit.rewards import load_rewards
+    from tpkit.rollout import sampling_lora
     from tpkit.score import BranchScorer
 
     # 1. The stages' files, and which trajectory.
@@ -86,7 +87,7 @@ def run(rollout: Path, scores: Path, advantages: Path | None, trajectory_id: str
     cfg.device, cfg.dtype, cfg.reward_workers = device, dtype, 0
     rc = ro["config"]
     model = models.load(rc["model"], models.recorded(rc), device=cfg.device, dtype=cfg.dtype, text_encoders=False,
-                        lora=rc["lora"], reuse=True, fuse_lora=True)
+                        lora=sampling_lora(ro, rollout), reuse=True, fuse_lora=True)
     scorer = BranchScorer(model, load_rewards(cfg.rewards, cfg.reward_options), cfg)
     scorer.images = {}
     try:
