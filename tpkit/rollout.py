@@ -245,8 +245,8 @@ def sampling_lora(manifest: dict, rollout_dir: Path) -> str | None:
         path = moved if moved.exists() else recorded
     if not path.exists():
         raise InputError(f"{rollout_dir} was sampled with the LoRA {recorded}, which is gone",
-                                "put that adapter back (or rerun the rollout with the adapter you have)")
+                         "put that adapter back (or rerun the rollout with the adapter you have)")
     if layout.tree_digest(path) != manifest["inputs"].get("lora_sha256"):
         raise InputError(f"{path} is no longer the LoRA {rollout_dir} was sampled with (it changed since)",
-                                "rerun the rollout with it (the scores must come from the policy that sampled)")
+                         "rerun the rollout with it (the scores must come from the policy that sampled)")
     return str(path)
