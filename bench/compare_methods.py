@@ -1,14 +1,16 @@
 """TP-GRPO against Flow-GRPO on tiny-shapes, measured like a paper: seeds, intervals, held-out prompts.
 
     python bench/compare_methods.py [--seeds 0 1 2] [--rounds 6] [--jobs 2] [--no-ablations]
-                                    [--runs runs/compare] [--out bench/compare]
+                                    [--runs runs/compare] [--out bench/compare] [--long-rounds 18 [--long-seeds 0 1 2]]
 
 1. Runs. pipelines/shapes-tpgrpo.toml and pipelines/shapes-flowgrpo.toml (identical but for the
    method, so both are tuned equally) with every seed; the paper's ablations on TP-GRPO with the
    first seed: window size K in {3, 6, 9} and noise level a in {0.5, 0.7, 0.9} (K = 9, a = 0.7 is
    the main run). Each is one `tpkit run` in its own process; --jobs of them run side by side, each
    with its share of the cores (`tpkit --threads`). A finished run is kept, a stopped one resumes:
-   rerunning this script recomputes nothing it has.
+   rerunning this script recomputes nothing it has. --long-rounds N also runs Flow-GRPO for N
+   rounds (continuing a copy of the seed's comparison run): 18 rounds take about TP-GRPO's time for
+   6, the comparison at equal wall time.
 2. The base model is evaluated by every run (`eval-base/`, the "round 0" point of its held-out
    curve; same prompts and seeds in every run, so the copies agree: a check, for about a minute each).
 3. Everything is read back from the runs' rounds.jsonl: held-out GenEval accuracy (data/shapes-test.jsonl,
@@ -51,11 +53,17 @@ class Job:
     seed: int
     overrides: list[str]
     out: Path
+    rounds: int | None = None  # None: the comparison's --rounds; else a longer run (equal wall time)
+
+    @property
+    def main(self) -> bool:
+        """One of the comparison's own runs (not an ablation or a longer run)."""
+        return not self.overrides and self.rounds is None
 
     def command(self, rounds: int, threads: int) -> list[str]:
         sets = [a for o in [f"seed={self.seed}", *self.overrides] for a in ("--set", o)]
         return [sys.executable, "-m", "tpkit", "--threads", str(threads), "run", str(RECIPES[self.method]),
-                "--out", str(self.out), "--rounds", str(rounds), *sets]
+                "--out", str(self.out), "--rounds", str(self.rounds or rounds), *sets]
 
 
 def jobs(seeds: list[int], runs_dir: Path, ablations: bool) -> list[Job]:
@@ -66,9 +74,25 @@ def jobs(seeds: list[int], runs_dir: Path, ablations: bool) -> list[Job]:
     return runs
 
 
+def long_jobs(seeds: list[int], runs_dir: Path, rounds: int) -> list[Job]:
+    """Flow-GRPO run for `rounds` rounds: about TP-GRPO's wall time when `rounds` is ~3x the comparison's."""
+    return [Job(f"flow-grpo-{rounds}r-s{s}", "flow-grpo", s, [], runs_dir / f"flow-grpo-{rounds}r-s{s}", rounds)
+            for s in seeds]
+
+
+def reuse_short(job: Job, all_jobs: list[Job]) -> None:
+    """Start a longer run from a copy of the same seed's finished comparison run (run folders may move;
+    `tpkit run` continues them), so its first rounds are not computed twice."""
+    import shutil
+
+    short = next((j for j in all_jobs if j.main and j.method == job.method and j.seed == job.seed), None)
+    if not job.out.exists() and short is not None and (short.out / "rounds.jsonl").is_file():
+        shutil.copytree(short.out, job.out)
+
+
 def finished(job: Job, rounds: int) -> bool:
     path = job.out / "rounds.jsonl"
-    return path.is_file() and len(path.read_text().splitlines()) >= rounds
+    return path.is_file() and len(path.read_text().splitlines()) >= (job.rounds or rounds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,7 +256,7 @@ def stage_minutes(all_jobs: list[Job]) -> float:
 
 
 def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed: float) -> str:
-    by_method = {m: [rounds_of(j) for j in all_jobs if j.method == m and not j.overrides] for m in RECIPES}
+    by_method = {m: [rounds_of(j) for j in all_jobs if j.method == m and j.main] for m in RECIPES}
     agg = {m: curves(runs, base) for m, runs in by_method.items()}
     tp, fl = agg["tp-grpo"], agg["flow-grpo"]
     last = max(fl["eval"])
@@ -299,7 +323,7 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
           "| --- | --- | " + " | ".join("---" for _ in RECIPES) + " |"]
     from tpkit import run as tpkit_run
 
-    jobs_of = {m: [j for j in all_jobs if j.method == m and not j.overrides] for m in RECIPES}
+    jobs_of = {m: [j for j in all_jobs if j.method == m and j.main] for m in RECIPES}
     shares = {m: [failure_shares(tpkit_run.eval_dir(j.out, last - 1)) for j in jobs_of[m]] for m in RECIPES}
     base_shares = failure_shares(jobs_of["tp-grpo"][0].out / tpkit_run.BASE_EVAL)
     for k in base_shares:
@@ -309,13 +333,14 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
     L += [f"## Per seed (held-out GenEval overall; base {base.get('geneval_overall', float('nan')):.3f})", "",
           "| run | " + " | ".join(f"after {r} rounds" for r in evaluated) + " |", "|" + " --- |" * (1 + len(evaluated))]
     for m in RECIPES:
-        for j in (j for j in all_jobs if j.method == m and not j.overrides):
+        for j in (j for j in all_jobs if j.method == m and j.main):
             ev = {i + 1: r["eval"]["geneval_overall"] for i, r in enumerate(rounds_of(j)) if r.get("eval")}
             L.append(f"| {m} seed {j.seed} | " + " | ".join(f"{ev[r]:.3f}" if r in ev else "" for r in evaluated) + " |")
     L.append("")
+    L += equal_time(all_jobs, base)
     abl = [j for j in all_jobs if j.overrides and finished(j, 1)]
     if abl:
-        main = next(j for j in all_jobs if j.method == "tp-grpo" and j.seed == seeds[0] and not j.overrides)
+        main = next(j for j in all_jobs if j.method == "tp-grpo" and j.seed == seeds[0] and j.main)
         L += ["## Ablations (TP-GRPO, seed " + str(seeds[0]) + ", one run each)", "",
               f"Held-out accuracy (base {base.get('geneval_overall', float('nan')):.3f}); train reward as the mean over "
               "all rounds (less noisy than one round's); cost as transformer calls a round (deterministic: seconds "
@@ -344,6 +369,46 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
     return text
 
 
+def equal_time(all_jobs: list[Job], base: dict) -> list[str]:
+    """Held-out accuracy against minutes of training (stage seconds, evaluations excluded) for the
+    longer Flow-GRPO runs and TP-GRPO's comparison runs of the same seeds, and the paired difference
+    at about TP-GRPO's final time."""
+    long = [j for j in all_jobs if j.rounds and finished(j, 1)]
+    if not long:
+        return []
+    seeds = [j.seed for j in long]
+    tp = [j for j in all_jobs if j.main and j.method == "tp-grpo" and j.seed in seeds]
+
+    def points(jobs: list[Job]) -> dict[int, tuple[float, float, list[float]]]:
+        """rounds trained -> (mean minutes so far, mean accuracy, accuracies per seed), at rounds all evaluated."""
+        runs = [rounds_of(j) for j in jobs]
+        out = {}
+        for i in range(min(len(r) for r in runs)):
+            if all(r[i].get("eval") for r in runs):
+                minutes = [sum(v for line in r[: i + 1] for k, v in line["seconds"].items() if k != "eval") / 60 for r in runs]
+                acc = [r[i]["eval"]["geneval_overall"] for r in runs]
+                out[i + 1] = (sum(minutes) / len(minutes), sum(acc) / len(acc), acc)
+        return out
+
+    pt, pf = points(tp), points(long)
+    L = [f"## Equal wall time: Flow-GRPO for {long[0].rounds} rounds (seeds {', '.join(map(str, seeds))})", "",
+         "A Flow-GRPO round costs about a third of a TP-GRPO round (no branch completions to score), so at equal "
+         "wall time Flow-GRPO trains about three times as many rounds. Minutes of training: the runs' own stage "
+         "seconds, evaluations excluded, mean over seeds.", "",
+         "| method | rounds trained | minutes of training | held-out accuracy |", "| --- | --- | --- | --- |",
+         f"| base model | 0 | 0 | {base.get('geneval_overall', float('nan')):.3f} |"]
+    for name, pts in (("tp-grpo", pt), ("flow-grpo", pf)):
+        for r, (minutes, _, acc) in sorted(pts.items()):
+            L.append(f"| {name} | {r} | {minutes:.1f} | {fmt(mean_ci(acc))} |")
+    if pt and pf:
+        r_tp = max(pt)
+        r_fl = min(pf, key=lambda r: abs(pf[r][0] - pt[r_tp][0]))
+        diff = mean_ci([a - b for a, b in zip(pt[r_tp][2], pf[r_fl][2])])
+        L += ["", f"- At about equal time: TP-GRPO after {r_tp} rounds ({pt[r_tp][0]:.1f} min) - Flow-GRPO after {r_fl} "
+              f"rounds ({pf[r_fl][0]:.1f} min), paired over seeds: **{diff[0]:+.3f} ± {diff[1]:.3f}**."]
+    return L + [""]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -352,10 +417,18 @@ def main() -> None:
     p.add_argument("--no-ablations", dest="ablations", action="store_false")
     p.add_argument("--runs", type=Path, default=ROOT / "runs" / "compare", help="where the runs go (large)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "compare", help="RESULTS.md and plots")
+    p.add_argument("--long-rounds", type=int, default=0, help="also Flow-GRPO for this many rounds (18: about TP-GRPO's "
+                                                                "time for 6), continued from a copy of the comparison's run")
+    p.add_argument("--long-seeds", type=int, nargs="+", help="seeds of those (default: the first three)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     all_jobs = jobs(args.seeds, args.runs, args.ablations)
+    if args.long_rounds:
+        all_jobs += long_jobs(args.long_seeds or args.seeds[:3], args.runs, args.long_rounds)
+        for j in all_jobs:
+            if j.rounds and not finished(j, args.rounds):
+                reuse_short(j, all_jobs)
     run_jobs([j for j in all_jobs if not finished(j, args.rounds)], args.rounds, args.jobs)
     base = base_eval(all_jobs)
     print(report(args.out, all_jobs, args.seeds, base, time.time() - t0))
