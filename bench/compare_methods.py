@@ -424,12 +424,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     all_jobs = jobs(args.seeds, args.runs, args.ablations)
-    if args.long_rounds:
-        all_jobs += long_jobs(args.long_seeds or args.seeds[:3], args.runs, args.long_rounds)
-        for j in all_jobs:
-            if j.rounds and not finished(j, args.rounds):
-                reuse_short(j, all_jobs)
     run_jobs([j for j in all_jobs if not finished(j, args.rounds)], args.rounds, args.jobs)
+    if args.long_rounds:  # after the comparison's runs, which they continue
+        long = long_jobs(args.long_seeds or args.seeds[:3], args.runs, args.long_rounds)
+        for j in long:
+            if not finished(j, args.rounds):
+                reuse_short(j, all_jobs)
+        all_jobs += long
+        run_jobs([j for j in long if not finished(j, args.rounds)], args.rounds, args.jobs)
     base = base_eval(all_jobs)
     print(report(args.out, all_jobs, args.seeds, base, time.time() - t0))
 

@@ -1,7 +1,7 @@
 """Choosing the shapes recipes' RL settings without the test prompts: a validation split inside the
 train split, and the candidate settings run on it with several seeds.
 
-    python bench/tune_shapes.py [--seeds 0 1] [--rounds 6] [--runs /tmp/tune/runs] [--out bench/tune]
+    python bench/tune_shapes.py [--seeds 0 1] [--rounds 6] [--settings NAME ...] [--runs /tmp/tune/runs] [--out bench/tune]
 
 1. Split. Per task, the train split's prompt groups (GenEval's order-free `prompt_key`, the same
    unit as the train/test rule in `tpkit.shapes`) are ordered by a salted SHA-256 of the key and the
@@ -10,8 +10,9 @@ train split, and the candidate settings run on it with several seeds.
    Written to RUNS/fit.jsonl and RUNS/val.jsonl (80 and 16 lines a task, `tpkit.shapes.prompts`' order).
 2. Runs. pipelines/shapes-flowgrpo.toml (the cheaper method; the chosen setting is applied to both
    recipes, so both are tuned equally) with rollout prompts = fit, held-out evaluation = validation,
-   once per setting in SETTINGS and seed. Finished runs are kept: rerunning recomputes nothing it has.
-3. bench/tune/RESULTS.md: validation accuracy after 3 and 6 rounds per setting (mean and 95 %
+   once per setting in SETTINGS (or those named by --settings) and seed. Finished runs are kept:
+   rerunning recomputes nothing it has.
+3. bench/tune/RESULTS.md: validation accuracy at every evaluated round per setting (mean and 95 %
    t-interval over seeds, per seed), the train reward of the last round, the ratio clip fraction.
 """
 
@@ -38,6 +39,9 @@ SETTINGS = {  # name -> --set overrides of the recipe (its own values: one optim
     "steps4": ["train.optimizer_steps=4"],
     "steps8": ["train.optimizer_steps=8"],
     "lr5e-3": ["train.learning_rate=5e-3"],
+    # does a decaying rate hold the gains that a constant 3e-3 stops making after ~6 rounds (bench/compare)?
+    "halflife6": ["lr_half_life=6"],
+    "lr5e-3-halflife3": ["train.learning_rate=5e-3", "lr_half_life=3"],
 }
 
 
@@ -66,20 +70,22 @@ def split(n_fit: int = 80, n_val: int = 16, seed: int = 0) -> tuple[list[dict], 
 
 
 def report(jobs: dict[str, list[cm.Job]], base: float, rounds: int, runs: Path) -> str:
+    runs_of = {name: [cm.rounds_of(j)[:rounds] for j in js] for name, js in jobs.items()}
+    evaluated = [i + 1 for i, r in enumerate(next(iter(runs_of.values()))[0]) if r.get("eval")]
     lines = ["# Choosing the shapes recipes' RL settings on a validation split", "",
-             f"Regenerate: `python bench/tune_shapes.py --seeds {' '.join(str(j.seed) for j in next(iter(jobs.values())))} "
-             f"--rounds {rounds} --runs {runs}`. Flow-GRPO recipe, rollout prompts = the fit part of the train split, "
-             "evaluation = its validation part (a third of the train split's prompt groups, never trained on; "
+             f"Regenerate: `python {' '.join(sys.argv)}`. Flow-GRPO recipe, rollout prompts = the fit part of the train "
+             "split, evaluation = its validation part (a third of the train split's prompt groups, never trained on; "
              "no test prompt is read). 96 prompts x 2 images, 40 ODE steps; 95 % t-intervals over seeds.", "",
              f"Base model on validation: **{base:.3f}**.", "",
-             "| setting | overrides | after 3 rounds | after 6 rounds | per seed (after 6) | train reward, last round | clip fraction |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name, js in jobs.items():
-        rs = [cm.rounds_of(j) for j in js]
-        at = {n: [next(r["eval"]["geneval_overall"] for r in run if r["round"] == n - 1) for run in rs] for n in (3, rounds)}
+             "| setting | overrides | " + " | ".join(f"after {n} rounds" for n in evaluated)
+             + f" | per seed (after {rounds}) | train reward, last round | clip fraction |",
+             "|" + " --- |" * (len(evaluated) + 5)]
+    for name, rs in runs_of.items():
+        at = {n: [run[n - 1]["eval"]["geneval_overall"] for run in rs] for n in evaluated}
         clip = np.mean([r["train"]["clipfrac"] for run in rs for r in run])
-        lines.append(f"| {name} | {', '.join(SETTINGS[name]) or '(the recipe)'} | {cm.fmt(cm.mean_ci(at[3]))} | "
-                     f"{cm.fmt(cm.mean_ci(at[rounds]))} | {' / '.join(f'{v:.3f}' for v in at[rounds])} | "
+        lines.append(f"| {name} | {', '.join(SETTINGS[name]) or '(the recipe)'} | "
+                     + " | ".join(cm.fmt(cm.mean_ci(at[n])) for n in evaluated)
+                     + f" | {' / '.join(f'{v:.3f}' for v in at[evaluated[-1]])} | "
                      f"{cm.fmt(cm.mean_ci([run[-1]['reward_mean'] for run in rs]))} | {clip:.3f} |")
     return "\n".join(lines) + "\n"
 
@@ -88,6 +94,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), help="which of SETTINGS")
     p.add_argument("--runs", type=Path, default=cm.ROOT / "runs" / "tune", help="where the runs go (large)")
     p.add_argument("--out", type=Path, default=cm.ROOT / "bench" / "tune", help="RESULTS.md")
     args = p.parse_args()
@@ -102,7 +109,7 @@ def main() -> None:
     # 2. Runs, one at a time (2 cores).
     sets = [f"rollout.prompts={files['fit'].resolve()}", f"eval.prompts={files['val'].resolve()}"]
     jobs = {name: [cm.Job(f"{name}-s{s}", "flow-grpo", s, sets + o, args.runs / f"{name}-s{s}") for s in args.seeds]
-            for name, o in SETTINGS.items()}
+            for name, o in SETTINGS.items() if name in args.settings}
     cm.run_jobs([j for js in jobs.values() for j in js if not cm.finished(j, args.rounds)], args.rounds, 1)
 
     # 3. Table.

@@ -492,3 +492,9 @@ def test_kl_of_a_deterministic_transition_is_zero_not_nan():
     std = torch.tensor([0.0, 0.5]).reshape(2, 1, 1, 1)
     kl = F.kl_to_reference(mean, ref, std)
     assert kl.tolist() == [0.0, pytest.approx(1.0 / (2 * 0.25))]
+
+
+def test_round_learning_rate_halves_every_half_life_and_is_constant_without_one():
+    assert [F.round_learning_rate(3e-3, r, 0) for r in range(4)] == [3e-3] * 4
+    assert [F.round_learning_rate(4e-3, r, 2) for r in (0, 2, 4, 6)] == [4e-3, 2e-3, 1e-3, 5e-4]
+    assert F.round_learning_rate(4e-3, 1, 2) == pytest.approx(4e-3 / math.sqrt(2), rel=1e-15)

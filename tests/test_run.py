@@ -339,7 +339,11 @@ def test_continue_extend_redo_and_refuse(e2e, tmp_path):
 
     run_dir, recipe = e2e["run_dir"], e2e["recipe"]
 
-    # 1. The same command again redoes nothing.
+    # 1. The same command again redoes nothing, also when run.toml was written before tpkit had some
+    #    recipe keys (an older tpkit's run: those keys are at their defaults, the behaviour it had).
+    saved = tomllib.loads((run_dir / "run.toml").read_text())
+    del saved["lr_half_life"], saved["train"]["ema"]
+    (run_dir / "run.toml").write_text(tomli_w.dumps(saved))
     before = files_under(run_dir, 0, 1)
     lines = run(load_recipe(recipe, out=str(run_dir)))
     assert files_under(run_dir, 0, 1) == before
@@ -387,6 +391,21 @@ def test_continue_extend_redo_and_refuse(e2e, tmp_path):
     assert "train" in str(e.value)
     assert (run_dir / "run.toml").read_bytes() == saved
     assert files_under(run_dir, 0, 1, 2) == after
+
+
+def test_lr_half_life_decays_each_rounds_learning_rate(tmp_path, two_prompts):
+    """lr_half_life = 1 halves train.learning_rate every round: round r trains at lr 2^-r (its train
+    stage's config and metrics, and rounds.jsonl, say so)."""
+    from tpkit.run import run, stage_dirs
+
+    recipe = load_recipe(small_recipe(tmp_path, two_prompts), ["lr_half_life=1"], out=str(tmp_path / "run"))
+    lines = run(recipe)
+    lr = recipe.train.learning_rate
+    for r, line in enumerate(lines):
+        train_dir = stage_dirs(tmp_path / "run", r)["train"]
+        assert json.loads((train_dir / layout.MANIFEST).read_text())["config"]["learning_rate"] == lr / 2**r
+        assert {m["lr"] for m in read_jsonl(train_dir / layout.METRICS_FILE)} == {lr / 2**r}
+        assert line["train"]["lr"] == lr / 2**r
 
 
 def test_keep_rounds_deletes_old_rounds_shards_only(e2e, tmp_path, two_prompts, capsys):

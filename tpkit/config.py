@@ -484,24 +484,38 @@ class Recipe:
     log_with: str = "none"  # none | tensorboard | wandb (tpkit.tracking); may change when a run is continued
     log_images_every: int = 5  # with a tracker: a grid of the round's samples every N rounds (0: never)
     keep_rounds: int = 0  # keep the rollout shards (cached latents) of round 0 and the last N rounds only (0: all)
+    lr_half_life: int = 0  # halve train.learning_rate every N rounds, exponentially (0: constant); formulas.round_learning_rate
 
     def to_dict(self) -> dict:
         """The resolved recipe, as saved in run.toml (None values dropped: TOML has no null)."""
-        def clean(d):
-            return {k: clean(v) if isinstance(v, dict) else (list(v) if isinstance(v, tuple) else v)
-                    for k, v in d.items() if v is not None}
-
         rewards = {k: ({"weight": w, **self.score.reward_options[k]} if self.score.reward_options.get(k) else w)
                    for k, w in self.score.rewards.items()}
         d = {k: getattr(self, k) for k in _SCALARS} | {"rewards": rewards}
         for section, cls in _SECTIONS.items():
             d[section] = {k: v for k, v in asdict(getattr(self, section)).items() if k not in _WIRED[section]}
-        return clean(d)
+        return _toml_ready(d)
 
 
 _SCALARS = {f.name: str(f.type) for f in fields(Recipe) if f.name not in _SECTIONS}  # top-level key -> type
 _DEFAULTED = {f.name: f.default for f in fields(Recipe) if f.default is not MISSING}
 _TOP = set(_SCALARS) | {"rewards"}
+
+
+def _toml_ready(d: dict) -> dict:
+    """None values dropped (TOML has no null), tuples as lists, as tomllib reads them back."""
+    return {k: _toml_ready(v) if isinstance(v, dict) else (list(v) if isinstance(v, tuple) else v)
+            for k, v in d.items() if v is not None}
+
+
+def with_new_keys(saved: dict) -> dict:
+    """A run.toml written by an older tpkit, with the recipe keys added since at their defaults (a new
+    key's default keeps the behaviour from before it existed), so that the run can be continued."""
+    out = _toml_ready(_DEFAULTED) | saved
+    for section, cls in _SECTIONS.items():
+        if section in saved:
+            new = {f.name: default(cls, f.name) for f in fields(cls) if f.name not in _WIRED[section]}
+            out[section] = _toml_ready(new) | saved[section]
+    return out
 
 
 def parse_value(text: str) -> Any:

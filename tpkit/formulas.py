@@ -307,3 +307,16 @@ def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tenso
     var = std.reshape(-1).float() ** 2
     sq = _mean_over_elements((mean.float() - ref_mean.float()) ** 2)
     return torch.where(var > 0, sq / (2.0 * var.clamp_min(torch.finfo(torch.float32).tiny)), torch.zeros_like(sq))
+
+
+# --------------------------------------------------------------------------------------------
+# Schedule over rounds
+# --------------------------------------------------------------------------------------------
+
+
+def round_learning_rate(learning_rate: float, r: int, half_life: int) -> float:
+    """Round r's learning rate under `tpkit run`'s exponential decay: lr_r = lr 2^(-r / half_life),
+    constant for half_life 0. Exponential, not cosine: a round's rate does not depend on how many
+    rounds the run will have, so `--rounds` may grow when a run is continued without changing the
+    rounds already trained."""
+    return learning_rate * 0.5 ** (r / half_life) if half_life else learning_rate

@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from tpkit import layout, models, tracking
+from tpkit import config, layout, models, tracking
 from tpkit.config import Recipe
 from tpkit.errors import ConfigError, TpkitError
 
@@ -103,7 +103,7 @@ def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
     saved_path = run_dir / RUN_TOML
     current = recipe.to_dict()
     if saved_path.is_file():
-        saved = tomllib.loads(saved_path.read_text())
+        saved = config.with_new_keys(tomllib.loads(saved_path.read_text()))
         if "rollout" in saved:  # written before tpkit had model families: those runs were SD3
             saved["rollout"].setdefault("family", models.recorded(saved["rollout"]))
         # the prompt files' bytes as the run recorded them (stage.json), not as the saved paths hold them now:
@@ -152,6 +152,7 @@ def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | No
     """Run (or finish) round r with the already built rewards; returns its summary line (main process)."""
     from tpkit import advantages, rollout, score, train
     from tpkit.config import resolve_rank
+    from tpkit.formulas import round_learning_rate
     from tpkit.ui import console
 
     rank, world = resolve_rank(None, None)
@@ -178,9 +179,10 @@ def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | No
         if rank == 0:
             _, seconds["advantages"] = _timed(advantages.run, cfg)
         wait_for(d["advantages"] / layout.MANIFEST, "advantages")
-    # 4. Train, continuing the previous round's adapter and optimizer state.
+    # 4. Train, continuing the previous round's adapter and optimizer state, at the round's learning rate.
     cfg = dataclasses.replace(recipe.train, rollout=str(d["rollout"]), advantages=str(d["advantages"]),
                               out=str(d["train"]), seed=recipe.seed + r,
+                              learning_rate=round_learning_rate(recipe.train.learning_rate, r, recipe.lr_half_life),
                               init_lora=str(prev_adapter) if prev_adapter else None)
     if not done(d["train"], lambda: train.identity(cfg.validate(), layout.read_manifest(d["rollout"], "rollout"),
                                                    layout.parquet_files(d["advantages"], "advantages"))):
@@ -247,7 +249,7 @@ def round_summary(run_dir: Path, r: int, seconds: dict) -> dict:
         "decodes": m["rollout"]["counts"].get("decodes", 0) + m["score"]["counts"].get("decodes", 0),
         "reward_calls": m["score"]["counts"].get("reward_calls", 0),
         "seconds": {**old_seconds, **{k: round(v, 2) for k, v in seconds.items()}},
-        "train": {k: m["train"].get("last_metrics", {}).get(k) for k in ("loss", "ratio_mean", "clipfrac", "grad_norm")},
+        "train": {k: m["train"].get("last_metrics", {}).get(k) for k in ("loss", "ratio_mean", "clipfrac", "grad_norm", "lr")},
         "eval": _eval_summary(eval_dir(run_dir, r)),
     }
 
