@@ -69,7 +69,7 @@ def split(n_fit: int = 80, n_val: int = 16, seed: int = 0) -> tuple[list[dict], 
     return fit, val
 
 
-def report(jobs: dict[str, list[cm.Job]], base: float, rounds: int, runs: Path) -> str:
+def report(jobs: dict[str, list[cm.Job]], base: float, rounds: int) -> str:
     runs_of = {name: [cm.rounds_of(j)[:rounds] for j in js] for name, js in jobs.items()}
     evaluated = [i + 1 for i, r in enumerate(next(iter(runs_of.values()))[0]) if r.get("eval")]
     lines = ["# Choosing the shapes recipes' RL settings on a validation split", "",
@@ -115,7 +115,7 @@ def main() -> None:
     # 3. Table.
     base = cm.base_eval([j for js in jobs.values() for j in js])["geneval_overall"]
     args.out.mkdir(parents=True, exist_ok=True)
-    text = report(jobs, base, args.rounds, args.runs)
+    text = report(jobs, base, args.rounds)
     old = (args.out / "RESULTS.md").read_text() if (args.out / "RESULTS.md").is_file() else ""
     if cm.READING in old:  # the hand-written reading survives a regeneration (check it against the new numbers)
         text += "\n" + old[old.index(cm.READING):]
