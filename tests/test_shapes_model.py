@@ -107,3 +107,12 @@ def test_the_shipped_tiny_shapes_draws_what_it_is_asked():
     meta = [m for m in shapes.prompts("train", n=8) if m["tag"] == "colors"]
     acc = sm.accuracy("tiny-shapes", meta, images_per_prompt=2, steps=20, seed=3)
     assert acc["colors"] >= 0.5, acc
+
+
+def test_flow_learning_rate_warms_up_holds_then_cools_down_to_zero():
+    r = sm.Recipe(flow_steps=1000, warmup=100, cooldown=0.2, flow_lr=1e-3)
+    lr = [sm.flow_lr(r, s) for s in range(r.flow_steps)]
+    assert lr[0] == 1e-5 and lr[99] == 1e-3  # linear warmup over 100 steps
+    assert all(v == 1e-3 for v in lr[100:801])  # stable until the last 200 steps
+    assert lr[800] > lr[801] > lr[999] > 0 and abs(lr[999] - 1e-3 / 200) < 1e-12  # linear to 0
+    assert sm.flow_lr(dataclasses.replace(r, cooldown=0.0), 999) == 1e-3

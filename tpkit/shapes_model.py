@@ -95,6 +95,7 @@ class Recipe:
     flow_batch: int = 64
     flow_lr: float = 1e-3
     warmup: int = 100
+    cooldown: float = 0.2  # share of flow_steps at the end over which the learning rate falls linearly to 0
     uniform_share: float = 0.25  # share of sigmas drawn uniformly instead of shifted logit-normal
     caption_dropout: float = 0.1
     ema: float = 0.995
@@ -237,6 +238,15 @@ def sample_sigmas(gen: torch.Generator, n: int, uniform_share: float) -> torch.T
     uni = torch.rand(n, generator=gen)
     pick = torch.rand(n, generator=gen) < uniform_share
     return torch.where(pick, uni, u).clamp(1e-4, 1.0)
+
+
+def flow_lr(r: Recipe, step: int) -> float:
+    """Warmup-stable-decay: linear warmup over `warmup` steps, constant, then linear to 0 over the last
+    `cooldown` share of `flow_steps`. The decay is what the loss gains most from at the end (the EMA alone
+    averages a constant-rate walk); the stable part is what lets a run be lengthened before it starts."""
+    warm = (step + 1) / max(1, r.warmup)
+    cool = (r.flow_steps - step) / max(1.0, r.cooldown * r.flow_steps) if r.cooldown > 0 else 1.0
+    return r.flow_lr * max(0.0, min(1.0, warm, cool))
 
 
 def flow_loss(pipe, latents: torch.Tensor, captions: list[str], gen: torch.Generator, uniform_share: float,
@@ -416,7 +426,7 @@ class _Trainer:
         idx = self.rng.integers(len(self.latents), size=r.flow_batch)
         drop = self.rng.random(r.flow_batch) < r.caption_dropout
         captions = ["" if d else self.captions[i] for i, d in zip(idx, drop)]
-        lr = r.flow_lr * min(1.0, (self.step + 1) / max(1, r.warmup))
+        lr = flow_lr(r, self.step)
         for g in self.flow_opt.param_groups:
             g["lr"] = lr
         loss = flow_loss(self.pipe, self.latents[torch.from_numpy(idx)], captions, self.gen, r.uniform_share)
@@ -464,8 +474,8 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
     tr = _Trainer(out, r)
     if (out / "state.pt").is_file():
         st = torch.load(out / "state.pt", weights_only=False)
-        # the run may be lengthened (constant learning rate: a longer run passes through the shorter one);
-        # a field added since that run keeps its default
+        # the run may be lengthened (before its cooldown began, a longer run passes through the shorter
+        # one); a field added since that run keeps its default
         free = ("flow_steps", "snapshot_every", "checkpoint_minutes")
         mine = {k: v for k, v in asdict(r).items() if k not in free}
         if {**mine, **{k: v for k, v in st["recipe"].items() if k not in free}} != mine:
