@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 from tpkit import layout
 from tpkit.config import (AdvantagesConfig, RolloutConfig, ScoreConfig, TrainConfig, apply_override, field_names,
                           load_recipe)
-from tpkit.errors import ConfigError
+from tpkit.config import defaults as config_defaults
+from tpkit.errors import ConfigError, InputError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "pipelines" / "tiny-cpu.toml"
@@ -363,7 +364,16 @@ def test_continue_extend_redo_and_refuse(e2e, tmp_path):
     m2 = read_jsonl(layout.round_dir(run_dir, 2) / "train" / layout.METRICS_FILE)
     assert m2[0]["ratio_mean"] == 1.0
 
-    # 3. Without round 1's train manifest, only that stage runs again.
+    # 3. Without round 1's train manifest, only that stage runs again; the round's finished stages are
+    #    kept, also one written before its stage had some option (advantages' `std` here: gone from
+    #    its stage.json and manifest identity, so its id differs too), which is at its default.
+    adv1 = layout.round_dir(run_dir, 1) / "advantages"
+    stage, manifest = (json.loads((adv1 / name).read_text()) for name in (layout.STAGE_FILE, layout.MANIFEST))
+    for ident in (stage, manifest["identity"]):
+        del ident["options"]["std"]
+        ident["id"] = "written-by-an-older-tpkit"
+    (adv1 / layout.STAGE_FILE).write_text(json.dumps(stage))
+    (adv1 / layout.MANIFEST).write_text(json.dumps(manifest))
     before = files_under(run_dir, 0, 1, 2)
     train1 = layout.round_dir(run_dir, 1) / "train"
     adapter1 = load_file(train1 / "adapter" / "pytorch_lora_weights.safetensors")
@@ -384,13 +394,19 @@ def test_continue_extend_redo_and_refuse(e2e, tmp_path):
     assert adapter1_again.keys() == adapter1.keys()
     assert all(torch.equal(adapter1_again[k], adapter1[k]) for k in adapter1)
 
-    # 4. A different recipe on the same folder is refused, and nothing is touched.
+    # 4. A different recipe on the same folder is refused, and nothing is touched; so is an option a
+    #    finished stage's tpkit did not have, set away from its default.
     saved = (run_dir / "run.toml").read_bytes()
     with pytest.raises(ConfigError) as e:
         run(load_recipe(recipe, ["train.learning_rate=5e-3"], rounds=3, out=str(run_dir)))
     assert "train" in str(e.value)
     assert (run_dir / "run.toml").read_bytes() == saved
     assert files_under(run_dir, 0, 1, 2) == after
+    held = json.loads((adv1 / layout.STAGE_FILE).read_text())
+    defaults = layout.json_ready(config_defaults(AdvantagesConfig))
+    with pytest.raises(InputError, match="--std"):
+        layout.check_out(adv1, {**held, "options": {**held["options"], "std": "global"}, "id": "now"},
+                         overwrite=False, defaults=defaults)
 
 
 def test_lr_half_life_decays_each_rounds_learning_rate(tmp_path, two_prompts):

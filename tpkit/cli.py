@@ -11,7 +11,9 @@ else in one line (exit 1); `--debug` anywhere on the command line shows the trac
 
 from __future__ import annotations
 
+import inspect
 import sys
+import typing
 from pathlib import Path
 from typing import List, Optional
 
@@ -34,6 +36,26 @@ def opt(cls: type, name: str, *decls: str, required: bool = False, **extra):
     help; `decls` and `extra` (a command's own help ...) go to typer.Option as they are."""
     extra.setdefault("help", field_help(cls, name))
     return typer.Option(... if required else config.default(cls, name), *decls, **extra)
+
+
+# The evaluation sampler's options, shared by `tpkit eval reward|geneval|compare` (`eval_options`).
+SAMPLER_OPTIONS = ("images_per_prompt", "steps", "guidance", "resolution", "seed", "batch_size", "max_sequence_length",
+                   "grid_prompts", "device", "dtype", "rank", "world_size")
+
+
+def eval_options(*names: str):
+    """Give a command EvalConfig's options `names` after its own ones (type, default and help from the
+    fields, as `opt` does), passed to it in its `**options`: declared once for the three eval commands."""
+    hints = typing.get_type_hints(EvalConfig)
+
+    def add(fn):
+        sig = inspect.signature(fn)
+        own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=opt(EvalConfig, n), annotation=hints[n])
+                 for n in names]
+        fn.__signature__ = sig.replace(parameters=own + added)
+        return fn
+    return add
 
 
 def _reward_specs(weights: dict[str, float]) -> list[str]:
@@ -236,6 +258,7 @@ def _eval(kind: str, out: Path, prompts: Optional[Path], lora: Optional[Path], i
 
 
 @eval_app.command("reward")
+@eval_options(*SAMPLER_OPTIONS, "overwrite")
 def eval_reward(
     prompts: Path = opt(EvalConfig, "prompts", "--prompts", required=True),
     out: Path = opt(EvalConfig, "out", "--out", required=True),
@@ -245,22 +268,14 @@ def eval_reward(
     family: Optional[str] = opt(EvalConfig, "family"),
     lora: Optional[Path] = opt(EvalConfig, "lora"),
     images: Optional[Path] = opt(EvalConfig, "images"),
-    images_per_prompt: int = opt(EvalConfig, "images_per_prompt"), steps: int = opt(EvalConfig, "steps"),
-    guidance: Optional[float] = opt(EvalConfig, "guidance"), resolution: Optional[int] = opt(EvalConfig, "resolution"),
-    seed: int = opt(EvalConfig, "seed"), batch_size: int = opt(EvalConfig, "batch_size"),
-    max_sequence_length: Optional[int] = opt(EvalConfig, "max_sequence_length"),
-    grid_prompts: int = opt(EvalConfig, "grid_prompts"), overwrite: bool = opt(EvalConfig, "overwrite"),
-    device: str = opt(EvalConfig, "device"), dtype: str = opt(EvalConfig, "dtype"),
-    rank: Optional[int] = opt(EvalConfig, "rank"), world_size: Optional[int] = opt(EvalConfig, "world_size"),
+    **options,
 ) -> None:
     """Mean ± std (overall and per prompt) of any reward over a test set, with an image grid."""
-    _eval("reward", out, prompts, lora, images, reward, reward_opt, model=model, family=family,
-          images_per_prompt=images_per_prompt, steps=steps, guidance=guidance, resolution=resolution, seed=seed,
-          batch_size=batch_size, max_sequence_length=max_sequence_length, grid_prompts=grid_prompts,
-          overwrite=overwrite, device=device, dtype=dtype, rank=rank, world_size=world_size)
+    _eval("reward", out, prompts, lora, images, reward, reward_opt, model=model, family=family, **options)
 
 
 @eval_app.command("geneval")
+@eval_options(*SAMPLER_OPTIONS, "overwrite")
 def eval_geneval(
     out: Path = opt(EvalConfig, "out", "--out", required=True),
     metadata: Optional[Path] = typer.Option(None, help="GenEval evaluation_metadata.jsonl (default: GenEval's 553 prompts, regenerated)."),
@@ -270,23 +285,15 @@ def eval_geneval(
     family: Optional[str] = opt(EvalConfig, "family"),
     lora: Optional[Path] = opt(EvalConfig, "lora"),
     images: Optional[Path] = opt(EvalConfig, "images"),
-    images_per_prompt: int = opt(EvalConfig, "images_per_prompt"), steps: int = opt(EvalConfig, "steps"),
-    guidance: Optional[float] = opt(EvalConfig, "guidance"), resolution: Optional[int] = opt(EvalConfig, "resolution"),
-    seed: int = opt(EvalConfig, "seed"), batch_size: int = opt(EvalConfig, "batch_size"),
-    max_sequence_length: Optional[int] = opt(EvalConfig, "max_sequence_length"),
-    grid_prompts: int = opt(EvalConfig, "grid_prompts"), overwrite: bool = opt(EvalConfig, "overwrite"),
-    device: str = opt(EvalConfig, "device"), dtype: str = opt(EvalConfig, "dtype"),
-    rank: Optional[int] = opt(EvalConfig, "rank"), world_size: Optional[int] = opt(EvalConfig, "world_size"),
+    **options,
 ) -> None:
     """The GenEval protocol: accuracy per task and overall (unweighted mean of the 6 tasks)."""
     opts = [f"geneval.{k}={v}" for k, v in (("detector", detector), ("clip", clip)) if v]
-    _eval("geneval", out, metadata, lora, images, [], opts, model=model, family=family,
-          images_per_prompt=images_per_prompt, steps=steps, guidance=guidance, resolution=resolution, seed=seed,
-          batch_size=batch_size, max_sequence_length=max_sequence_length, grid_prompts=grid_prompts,
-          overwrite=overwrite, device=device, dtype=dtype, rank=rank, world_size=world_size)
+    _eval("geneval", out, metadata, lora, images, [], opts, model=model, family=family, **options)
 
 
 @eval_app.command("compare")
+@eval_options(*SAMPLER_OPTIONS)
 def eval_compare(
     entry: List[str] = opt(CompareConfig, "entries", "--entry", required=True),
     out: Path = opt(CompareConfig, "out", "--out", required=True),
@@ -297,14 +304,8 @@ def eval_compare(
     geneval: bool = opt(CompareConfig, "geneval"),
     detector: Optional[str] = typer.Option(None, help="GenEval detector id or folder (shapes: the tiny-shapes one)."),
     clip: Optional[str] = typer.Option(None, help="GenEval's CLIP for colours (default openai/clip-vit-large-patch14)."),
-    images_per_prompt: int = opt(EvalConfig, "images_per_prompt"), steps: int = opt(EvalConfig, "steps"),
-    guidance: Optional[float] = opt(EvalConfig, "guidance"), resolution: Optional[int] = opt(EvalConfig, "resolution"),
-    seed: int = opt(EvalConfig, "seed"), batch_size: int = opt(EvalConfig, "batch_size"),
-    max_sequence_length: Optional[int] = opt(EvalConfig, "max_sequence_length"),
-    grid_prompts: int = opt(EvalConfig, "grid_prompts"),
-    device: str = opt(EvalConfig, "device"), dtype: str = opt(EvalConfig, "dtype"),
-    rank: Optional[int] = opt(EvalConfig, "rank"), world_size: Optional[int] = opt(EvalConfig, "world_size"),
     overwrite: bool = opt(EvalConfig, "overwrite", help="Redo every entry's evaluation from scratch (other options, same --out)."),
+    **sampler,
 ) -> None:
     """Models/adapters x metrics on the same prompts and seeds: one table (mean ± s.e. over prompts, paired
     differences from the first entry) in Markdown, CSV and JSON, and a grid of each prompt across entries."""
@@ -313,9 +314,7 @@ def eval_compare(
 
     protocol = EvalConfig(
         prompts=str(prompts) if prompts else "", rewards={r: 1.0 for r in parse_reward_specs(reward)} if reward else {},
-        reward_options=parse_reward_options(reward_opt), images_per_prompt=images_per_prompt, steps=steps,
-        guidance=guidance, resolution=resolution, seed=seed, batch_size=batch_size, max_sequence_length=max_sequence_length,
-        grid_prompts=grid_prompts, device=device, dtype=dtype, rank=rank, world_size=world_size, overwrite=overwrite)
+        reward_options=parse_reward_options(reward_opt), overwrite=overwrite, **sampler)
     geneval_options = {k: v for k, v in (("detector", detector), ("clip", clip)) if v}
     manifest = compare.run(CompareConfig(entries=list(entry), protocol=protocol, out=str(out), geneval=geneval,
                                          geneval_options=geneval_options))

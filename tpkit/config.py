@@ -42,6 +42,12 @@ def default(cls: type, name: str) -> Any:
     return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
+def defaults(cls: type) -> dict[str, Any]:
+    """Every field of config dataclass `cls` that has a default -> that default."""
+    return {f.name: default(cls, f.name) for f in fields(cls)
+            if f.default is not MISSING or f.default_factory is not MISSING}
+
+
 def field_help(cls: type, name: str) -> str | None:
     """The help text of field `name` of `cls` (None: the field has none)."""
     return next(f.metadata.get("help") for f in fields(cls) if f.name == name)

@@ -253,6 +253,11 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def json_ready(obj: Any) -> Any:
+    """`obj` as it reads back from JSON (tuples as lists, other objects as str): how identities compare."""
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
 def stage_identity(stage: str, config: dict, inputs: dict, leave_out: tuple[str, ...] = ()) -> dict:
     """What a stage folder holds: the stage, the options that change its output, and the identity of
     its inputs (ids and content digests, not paths: a moved input is the same input). `leave_out`:
@@ -260,7 +265,7 @@ def stage_identity(stage: str, config: dict, inputs: dict, leave_out: tuple[str,
     of the rest."""
     options = {k: v for k, v in config.items() if k not in WHERE_OPTIONS and k not in leave_out}
     body = {"stage": stage, "options": options, "inputs": inputs}
-    return {**json.loads(json.dumps(body, sort_keys=True, default=str)), "id": _digest(body)}
+    return {**json_ready(body), "id": _digest(body)}
 
 
 def _visible(folder: Path) -> list[Path]:
@@ -281,8 +286,10 @@ def folder_identity(folder: Path) -> dict | None:
     return {"stage": None} if _visible(folder) else None
 
 
-def _mismatch(folder: Path, held: dict, want: dict) -> str | None:
-    """Why a folder's content is not what this stage run would write (None: it is)."""
+def _mismatch(folder: Path, held: dict, want: dict, defaults: dict | None = None) -> str | None:
+    """Why a folder's content is not what this stage run would write (None: it is). `defaults` (option ->
+    default, as JSON): options the folder does not name because the tpkit that wrote it did not have
+    them yet count as the same when this run has them at their defaults, the behaviour it had."""
     if held.get("stage") is None:
         return f"{folder} already holds files that tpkit did not write (no {STAGE_FILE})"
     if held["stage"] != want["stage"]:
@@ -292,18 +299,24 @@ def _mismatch(folder: Path, held: dict, want: dict) -> str | None:
         return None
     if "options" not in held:
         return f"{folder} holds {want['stage']} output of unknown options (written by an older tpkit)"
-    options = sorted(f"--{k.replace('_', '-')}" for k in set(held["options"]) | set(want["options"])
+    defaults = defaults or {}
+    added = {k for k in set(want["options"]) - set(held["options"])
+             if k in defaults and want["options"][k] == defaults[k]}
+    options = sorted(f"--{k.replace('_', '-')}" for k in (set(held["options"]) | set(want["options"])) - added
                      if held["options"].get(k) != want["options"].get(k))
     inputs = sorted(k for k in set(held.get("inputs", {})) | set(want["inputs"])
                     if held.get("inputs", {}).get(k) != want["inputs"].get(k))
+    if added and not options and not inputs:
+        return None
     diff = "; ".join([", ".join(options)] * bool(options) + [f"inputs: {', '.join(inputs)}"] * bool(inputs))
     return f"{folder} holds {want['stage']} output of other options or inputs (differs in: {diff or 'version'})"
 
 
-def check_out(folder: Path, identity: dict, overwrite: bool, inputs: tuple = ()) -> None:
+def check_out(folder: Path, identity: dict, overwrite: bool, inputs: tuple = (), defaults: dict | None = None) -> None:
     """Refuse, before anything is written, an output folder that is (or contains) one of the stage's
     inputs, that holds something else than this stage's output of these inputs and options (unless
-    `overwrite`), or that `overwrite` would clear although tpkit did not write it."""
+    `overwrite`), or that `overwrite` would clear although tpkit did not write it. `defaults`: see
+    `_mismatch` (only for finished folders: a resumed one would mix two identities)."""
     folder = Path(folder).resolve()
     if folder.exists() and not folder.is_dir():
         raise InputError(f"--out {folder} is a file, not a folder", "pass a folder for --out")
@@ -319,7 +332,7 @@ def check_out(folder: Path, identity: dict, overwrite: bool, inputs: tuple = ())
             raise InputError(f"{folder} holds files that tpkit did not write, so --overwrite will not delete them",
                              "pass a new or empty --out folder")
         return
-    why = _mismatch(folder, held, identity)
+    why = _mismatch(folder, held, identity, defaults)
     if why:
         raise InputError(why, "pass --overwrite to replace that folder's content, or a new --out folder"
                          if held.get("stage") else "pass a new or empty --out folder")

@@ -217,10 +217,6 @@ def identity(cfg: RolloutConfig) -> dict:
         "lora_sha256": layout.tree_digest(cfg.lora, "--lora")})
 
 
-def rollout_id(cfg: RolloutConfig) -> str:
-    return identity(cfg)["id"]
-
-
 def _shard_sha256(shard: Path) -> str:
     """From the shard's stats sidecar (computed from the bytes as they were written), else from the file."""
     side = shard.with_name(layout.stats_name(shard))

@@ -54,7 +54,7 @@ def evaluate_into(recipe: Recipe, folder: Path, lora: Path | None, what: str) ->
 
     cfg = dataclasses.replace(recipe.eval, out=str(folder), lora=str(lora) if lora else None)
     seconds = None
-    if not done(folder, lambda: evaluate.identity(cfg.validate())):
+    if not done(folder, lambda: evaluate.identity(cfg.validate()), cfg):
         _, seconds = _timed(evaluate.run, cfg)  # all processes: rank-split like every stage
     wait_for(folder / layout.MANIFEST, what)
     return seconds
@@ -121,12 +121,16 @@ def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
     layout.atomic_write(saved_path, tomli_w.dumps(current).encode())
 
 
-def done(folder: Path, expected) -> bool:
-    """A finished stage is kept only if it holds what this run would write (expected(): its identity)."""
+def done(folder: Path, expected, cfg) -> bool:
+    """A finished stage is kept only if it holds what this run would write (expected(): its identity;
+    `cfg` the stage's config: options added to tpkit since the stage ran count as the same at their
+    defaults)."""
+    from tpkit.config import defaults
+
     if not (folder / layout.MANIFEST).is_file():
         return False
     if "options" in (layout.folder_identity(folder) or {}):  # not a folder of an older tpkit
-        layout.check_out(folder, expected(), overwrite=False)
+        layout.check_out(folder, expected(), overwrite=False, defaults=layout.json_ready(defaults(type(cfg))))
     return True
 
 
@@ -165,17 +169,17 @@ def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | No
     # 1. Rollout with the previous round's policy; a fresh seed every round.
     cfg = dataclasses.replace(recipe.rollout, out=str(d["rollout"]), seed=recipe.seed + r,
                               lora=str(prev_adapter) if prev_adapter else None)
-    if not done(d["rollout"], lambda: rollout.identity(cfg.validate())):
+    if not done(d["rollout"], lambda: rollout.identity(cfg.validate()), cfg):
         _, seconds["rollout"] = _timed(rollout.run, cfg)
         wait_for(d["rollout"] / layout.MANIFEST, "rollout")
     # 2. Score every branch (or only R_K for flow-grpo).
     cfg = dataclasses.replace(recipe.score, rollout=str(d["rollout"]), out=str(d["score"]))
-    if not done(d["score"], lambda: score.identity(cfg.validate(), layout.read_manifest(d["rollout"], "rollout"))):
+    if not done(d["score"], lambda: score.identity(cfg.validate(), layout.read_manifest(d["rollout"], "rollout")), cfg):
         _, seconds["score"] = _timed(lambda c: score.run(c, rewards), cfg)
         wait_for(d["score"] / layout.MANIFEST, "score")
     # 3. Advantages (one process; it is cheap).
     cfg = dataclasses.replace(recipe.advantages, scores=str(d["score"]), out=str(d["advantages"]))
-    if not done(d["advantages"], lambda: advantages.identity(cfg.validate(), layout.parquet_files(d["score"], "score"))):
+    if not done(d["advantages"], lambda: advantages.identity(cfg.validate(), layout.parquet_files(d["score"], "score")), cfg):
         if rank == 0:
             _, seconds["advantages"] = _timed(advantages.run, cfg)
         wait_for(d["advantages"] / layout.MANIFEST, "advantages")
@@ -185,7 +189,7 @@ def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | No
                               learning_rate=round_learning_rate(recipe.train.learning_rate, r, recipe.lr_half_life),
                               init_lora=str(prev_adapter) if prev_adapter else None)
     if not done(d["train"], lambda: train.identity(cfg.validate(), layout.read_manifest(d["rollout"], "rollout"),
-                                                   layout.parquet_files(d["advantages"], "advantages"))):
+                                                   layout.parquet_files(d["advantages"], "advantages")), cfg):
         _, seconds["train"] = _timed(train.run, cfg)  # all processes: data-parallel under accelerate
         wait_for(d["train"] / layout.MANIFEST, "train")
     # 5. Every eval_every rounds: held-out evaluation of this round's adapter.
