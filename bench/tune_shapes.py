@@ -42,7 +42,11 @@ SETTINGS = {  # name -> --set overrides of the recipe (its own values: one optim
     # does a decaying rate hold the gains that a constant 3e-3 stops making after ~6 rounds (bench/compare)?
     "halflife6": ["lr_half_life=6"],
     "lr5e-3-halflife3": ["train.learning_rate=5e-3", "lr_half_life=3"],
+    # one optimizer step a round: are 6 steps too few? The same samples in twice the steps (and
+    # about the same time): half the prompts a round, twice the rounds, evaluated at the same samples seen
+    "half-batch-x2": ["rollout.prompts_per_round=8", "eval_every=6"],
 }
+ROUNDS_FACTOR = {"half-batch-x2": 2}  # settings run for this many times --rounds
 
 
 def _rank(key: tuple) -> str:
@@ -70,20 +74,26 @@ def split(n_fit: int = 80, n_val: int = 16, seed: int = 0) -> tuple[list[dict], 
 
 
 def report(jobs: dict[str, list[cm.Job]], base: float, rounds: int) -> str:
-    runs_of = {name: [cm.rounds_of(j)[:rounds] for j in js] for name, js in jobs.items()}
-    evaluated = [i + 1 for i, r in enumerate(next(iter(runs_of.values()))[0]) if r.get("eval")]
+    """Columns are the k-th evaluation of each run, "after N rounds" of --rounds: a setting with
+    ROUNDS_FACTOR evaluates less often, so its k-th evaluation comes after as many samples."""
+    runs_of = {name: [cm.rounds_of(j)[:j.rounds or rounds] for j in js] for name, js in jobs.items()}
+    evaluated = [i + 1 for i, r in enumerate(cm.rounds_of(next(iter(jobs.values()))[0])[:rounds]) if r.get("eval")]
     lines = ["# Choosing the shapes recipes' RL settings on a validation split", "",
              f"Regenerate: `python {' '.join(sys.argv)}`. Flow-GRPO recipe, rollout prompts = the fit part of the train "
              "split, evaluation = its validation part (a third of the train split's prompt groups, never trained on; "
              "no test prompt is read). 96 prompts x 2 images, 40 ODE steps; 95 % t-intervals over seeds.", "",
-             f"Base model on validation: **{base:.3f}**.", "",
+             f"Base model on validation: **{base:.3f}**."
+             + (" A setting run for Nx the rounds is shown at its k-th evaluation, after as many trajectories as the"
+                " column's rounds of the recipe." if set(jobs) & set(ROUNDS_FACTOR) else ""), "",
              "| setting | overrides | " + " | ".join(f"after {n} rounds" for n in evaluated)
              + f" | per seed (after {rounds}) | train reward, last round | clip fraction |",
              "|" + " --- |" * (len(evaluated) + 5)]
     for name, rs in runs_of.items():
-        at = {n: [run[n - 1]["eval"]["geneval_overall"] for run in rs] for n in evaluated}
+        at = {n: [[r["eval"]["geneval_overall"] for r in run if r.get("eval")][k] for run in rs]
+              for k, n in enumerate(evaluated)}
         clip = np.mean([r["train"]["clipfrac"] for run in rs for r in run])
-        lines.append(f"| {name} | {', '.join(SETTINGS[name]) or '(the recipe)'} | "
+        longer = [f"{ROUNDS_FACTOR[name]}x the rounds"] if name in ROUNDS_FACTOR else []
+        lines.append(f"| {name} | {', '.join(SETTINGS[name] + longer) or '(the recipe)'} | "
                      + " | ".join(cm.fmt(cm.mean_ci(at[n])) for n in evaluated)
                      + f" | {' / '.join(f'{v:.3f}' for v in at[evaluated[-1]])} | "
                      f"{cm.fmt(cm.mean_ci([run[-1]['reward_mean'] for run in rs]))} | {clip:.3f} |")
@@ -108,7 +118,8 @@ def main() -> None:
 
     # 2. Runs, one at a time (2 cores).
     sets = [f"rollout.prompts={files['fit'].resolve()}", f"eval.prompts={files['val'].resolve()}"]
-    jobs = {name: [cm.Job(f"{name}-s{s}", "flow-grpo", s, sets + o, args.runs / f"{name}-s{s}") for s in args.seeds]
+    jobs = {name: [cm.Job(f"{name}-s{s}", "flow-grpo", s, sets + o, args.runs / f"{name}-s{s}",
+                          args.rounds * ROUNDS_FACTOR[name] if name in ROUNDS_FACTOR else None) for s in args.seeds]
             for name, o in SETTINGS.items() if name in args.settings}
     cm.run_jobs([j for js in jobs.values() for j in js if not cm.finished(j, args.rounds)], args.rounds, 1)
 

@@ -125,12 +125,10 @@ def done(folder: Path, expected, cfg) -> bool:
     """A finished stage is kept only if it holds what this run would write (expected(): its identity;
     `cfg` the stage's config: options added to tpkit since the stage ran count as the same at their
     defaults)."""
-    from tpkit.config import defaults
-
     if not (folder / layout.MANIFEST).is_file():
         return False
     if "options" in (layout.folder_identity(folder) or {}):  # not a folder of an older tpkit
-        layout.check_out(folder, expected(), overwrite=False, defaults=layout.json_ready(defaults(type(cfg))))
+        layout.check_out(folder, expected(), overwrite=False, defaults=layout.json_ready(config.defaults(type(cfg))))
     return True
 
 
