@@ -45,8 +45,11 @@ SETTINGS = {  # name -> --set overrides of the recipe (its own values: one optim
     # one optimizer step a round: are 6 steps too few? The same samples in twice the steps (and
     # about the same time): half the prompts a round, twice the rounds, evaluated at the same samples seen
     "half-batch-x2": ["rollout.prompts_per_round=8", "eval_every=6"],
+    # ... and does a KL to the base model (Flow-GRPO's SD3 weights: 0.04, 0.01) let those extra steps help?
+    "half-batch-x2-kl0.04": ["rollout.prompts_per_round=8", "eval_every=6", "train.beta=0.04"],
+    "half-batch-x2-kl0.01": ["rollout.prompts_per_round=8", "eval_every=6", "train.beta=0.01"],
 }
-ROUNDS_FACTOR = {"half-batch-x2": 2}  # settings run for this many times --rounds
+ROUNDS_FACTOR = {"half-batch-x2": 2, "half-batch-x2-kl0.04": 2, "half-batch-x2-kl0.01": 2}  # settings run for this many times --rounds
 
 
 def _rank(key: tuple) -> str:
