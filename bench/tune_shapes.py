@@ -49,7 +49,8 @@ SETTINGS = {  # name -> --set overrides of the recipe (its own values: one optim
     "half-batch-x2-kl0.04": ["rollout.prompts_per_round=8", "eval_every=6", "train.beta=0.04"],
     "half-batch-x2-kl0.01": ["rollout.prompts_per_round=8", "eval_every=6", "train.beta=0.01"],
 }
-ROUNDS_FACTOR = {"half-batch-x2": 2, "half-batch-x2-kl0.04": 2, "half-batch-x2-kl0.01": 2}  # settings run for this many times --rounds
+# settings run for this many times --rounds
+ROUNDS_FACTOR = {"half-batch-x2": 2, "half-batch-x2-kl0.04": 2, "half-batch-x2-kl0.01": 2}
 
 
 def _rank(key: tuple) -> str:
@@ -80,7 +81,10 @@ def report(jobs: dict[str, list[cm.Job]], base: float, rounds: int) -> str:
     """Columns are the k-th evaluation of each run, "after N rounds" of --rounds: a setting with
     ROUNDS_FACTOR evaluates less often, so its k-th evaluation comes after as many samples."""
     runs_of = {name: [cm.rounds_of(j)[:j.rounds or rounds] for j in js] for name, js in jobs.items()}
-    evaluated = [i + 1 for i, r in enumerate(cm.rounds_of(next(iter(jobs.values()))[0])[:rounds]) if r.get("eval")]
+    at_rounds = [js[0] for name, js in jobs.items() if name not in ROUNDS_FACTOR]
+    if not at_rounds:
+        sys.exit("tune_shapes: the columns come from a setting run for --rounds; add one, e.g. --settings recipe ...")
+    evaluated = [i + 1 for i, r in enumerate(cm.rounds_of(at_rounds[0])[:rounds]) if r.get("eval")]
     lines = ["# Choosing the shapes recipes' RL settings on a validation split", "",
              f"Regenerate: `python {' '.join(sys.argv)}`. Flow-GRPO recipe, rollout prompts = the fit part of the train "
              "split, evaluation = its validation part (a third of the train split's prompt groups, never trained on; "
