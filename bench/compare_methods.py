@@ -34,6 +34,9 @@ import sys
 import time
 from pathlib import Path
 
+from tpkit import run as tpkit_run
+from tpkit.config import load_recipe
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"tp-grpo": ROOT / "pipelines" / "shapes-tpgrpo.toml", "flow-grpo": ROOT / "pipelines" / "shapes-flowgrpo.toml"}
 TASKS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
@@ -91,8 +94,17 @@ def reuse_short(job: Job, all_jobs: list[Job]) -> None:
 
 
 def finished(job: Job, rounds: int) -> bool:
+    """Whether job's folder already holds its rounds, from this job's recipe and overrides: a folder of
+    another recipe (an edited setting under the same name) stops the script rather than being reported."""
     path = job.out / "rounds.jsonl"
-    return path.is_file() and len(path.read_text().splitlines()) >= (job.rounds or rounds)
+    if not path.is_file():
+        return False
+    recipe = load_recipe(RECIPES[job.method], [f"seed={job.seed}", *job.overrides], out=str(job.out))
+    diff = tpkit_run.recipe_difference(job.out, recipe)
+    if diff:
+        sys.exit(f"{job.out} holds a run of another recipe (differs in: {', '.join(diff)}); "
+                 "delete it or pass another --runs folder")
+    return len(path.read_text().splitlines()) >= (job.rounds or rounds)
 
 
 # --------------------------------------------------------------------------------------------

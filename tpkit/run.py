@@ -94,31 +94,37 @@ def run_identity(recipe: Recipe) -> dict:
     return layout.stage_identity("run", dict(fixed, rounds=None), inputs={})
 
 
-def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
-    """A continued run must use the recipe it started with (but for FREE_ON_CONTINUE)."""
+def recipe_difference(run_dir: Path, recipe: Recipe) -> list[str]:
+    """The recipe keys in which run_dir's saved recipe differs from `recipe` (but for FREE_ON_CONTINUE);
+    [] when they agree or run_dir has no saved recipe. Reads only."""
     import tomllib
 
+    saved_path = run_dir / RUN_TOML
+    if not saved_path.is_file():
+        return []
+    saved = config.with_new_keys(tomllib.loads(saved_path.read_text()))
+    if "rollout" in saved:  # written before tpkit had model families: those runs were SD3
+        saved["rollout"].setdefault("family", models.recorded(saved["rollout"]))
+    # the prompt files' bytes as the run recorded them (stage.json), not as the saved paths hold them now:
+    # the checkout may have moved, or the file been edited; a run started by an older tpkit recorded paths
+    held = (layout.folder_identity(run_dir) or {}).get("options", {})
+    recorded = {s: str((held.get(s) or {}).get("prompts", "")) for s in ("rollout", "eval")}
+    digests = {s: recorded[s].removeprefix("sha256:") if recorded[s].startswith("sha256:") else d
+               for s, d in prompt_digests(saved).items()}
+    a, b = _fixed(saved, digests), _fixed(recipe.to_dict())
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
+    """A continued run must use the recipe it started with (but for FREE_ON_CONTINUE)."""
     import tomli_w
 
-    saved_path = run_dir / RUN_TOML
-    current = recipe.to_dict()
-    if saved_path.is_file():
-        saved = config.with_new_keys(tomllib.loads(saved_path.read_text()))
-        if "rollout" in saved:  # written before tpkit had model families: those runs were SD3
-            saved["rollout"].setdefault("family", models.recorded(saved["rollout"]))
-        # the prompt files' bytes as the run recorded them (stage.json), not as the saved paths hold them now:
-        # the checkout may have moved, or the file been edited; a run started by an older tpkit recorded paths
-        held = (layout.folder_identity(run_dir) or {}).get("options", {})
-        recorded = {s: str((held.get(s) or {}).get("prompts", "")) for s in ("rollout", "eval")}
-        digests = {s: recorded[s].removeprefix("sha256:") if recorded[s].startswith("sha256:") else d
-                   for s, d in prompt_digests(saved).items()}
-        a, b = _fixed(saved, digests), _fixed(current)
-        if a != b:
-            diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-            raise ConfigError(f"{run_dir} was started with a different recipe (differs in: {', '.join(diff)})",
-                              "continue with the same recipe and --set options, pass a new --out, "
-                              "or --overwrite to start that run again")
-    layout.atomic_write(saved_path, tomli_w.dumps(current).encode())
+    diff = recipe_difference(run_dir, recipe)
+    if diff:
+        raise ConfigError(f"{run_dir} was started with a different recipe (differs in: {', '.join(diff)})",
+                          "continue with the same recipe and --set options, pass a new --out, "
+                          "or --overwrite to start that run again")
+    layout.atomic_write(run_dir / RUN_TOML, tomli_w.dumps(recipe.to_dict()).encode())
 
 
 def done(folder: Path, expected, cfg) -> bool:
