@@ -2,6 +2,7 @@
 train split, and the candidate settings run on it with several seeds.
 
     python bench/tune_shapes.py [--seeds 0 1] [--rounds 6] [--settings NAME ...] [--runs /tmp/tune/runs] [--out bench/tune]
+                                [--jobs 1] [--set KEY=VALUE ...]
 
 1. Split. Per task, the train split's prompt groups (GenEval's order-free `prompt_key`, the same
    unit as the train/test rule in `tpkit.shapes`) are ordered by a salted SHA-256 of the key and the
@@ -10,8 +11,10 @@ train split, and the candidate settings run on it with several seeds.
    Written to RUNS/fit.jsonl and RUNS/val.jsonl (80 and 16 lines a task, `tpkit.shapes.prompts`' order).
 2. Runs. pipelines/shapes-flowgrpo.toml (the cheaper method; the chosen setting is applied to both
    recipes, so both are tuned equally) with rollout prompts = fit, held-out evaluation = validation,
-   once per setting in SETTINGS (or those named by --settings) and seed. Finished runs are kept:
-   rerunning recomputes nothing it has.
+   once per setting in SETTINGS (or those named by --settings) and seed, seed by seed (a sweep cut
+   short holds every setting at its first seeds), --jobs of them side by side; --set adds overrides
+   to every run (e.g. `rollout.dtype=float32` on a GPU). Finished runs are kept: rerunning recomputes
+   nothing it has.
 3. bench/tune/RESULTS.md: validation accuracy at every evaluated round per setting (mean and 95 %
    t-interval over seeds, per seed), the train reward of the last round, the ratio clip fraction.
 """
@@ -48,6 +51,21 @@ SETTINGS = {  # name -> --set overrides of the recipe (its own values: one optim
     # ... and does a KL to the base model (Flow-GRPO's SD3 weights: 0.04, 0.01) let those extra steps help?
     "half-batch-x2-kl0.04": ["rollout.prompts_per_round=8", "eval_every=6", "train.beta=0.04"],
     "half-batch-x2-kl0.01": ["rollout.prompts_per_round=8", "eval_every=6", "train.beta=0.01"],
+    # fewer ties / a reward closer to the metric: GenEval's verdict (0/1) added to the dense score
+    "strict-mix": ["rewards.geneval-strict.weight=1.0", "rewards.geneval-strict.detector=shapes"],
+    # the group std gives a group whose rewards barely differ advantages as large as one whose rewards
+    # differ widely; the std over all groups keeps small differences small (the mean still centres each group)
+    "std-global": ["advantages.std=global"],
+    "strict-mix-std-global": ["rewards.geneval-strict.weight=1.0", "rewards.geneval-strict.detector=shapes",
+                              "advantages.std=global"],
+    # the same trajectories a round in fewer, larger groups (better group baselines)
+    "group16": ["rollout.group_size=16", "rollout.prompts_per_round=8"],
+    # more exploration in the SDE steps (more reward spread inside a group)
+    "noise1.0": ["rollout.noise_level=1.0"],
+    # a less noisy step: twice the prompts a round (twice the time a round)
+    "prompts32": ["rollout.prompts_per_round=32"],
+    # a smaller step, for longer runs
+    "lr2e-3": ["train.learning_rate=2e-3"],
 }
 # settings run for this many times --rounds
 ROUNDS_FACTOR = {"half-batch-x2": 2, "half-batch-x2-kl0.04": 2, "half-batch-x2-kl0.01": 2}
@@ -114,6 +132,9 @@ def main() -> None:
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), help="which of SETTINGS")
     p.add_argument("--runs", type=Path, default=cm.ROOT / "runs" / "tune", help="where the runs go (large)")
     p.add_argument("--out", type=Path, default=cm.ROOT / "bench" / "tune", help="RESULTS.md")
+    p.add_argument("--jobs", type=int, default=1, help="runs side by side (each gets cores / jobs threads)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for every run (repeatable), e.g. rollout.dtype=float32")
     args = p.parse_args()
 
     # 1. Split.
@@ -123,12 +144,13 @@ def main() -> None:
         files[name] = args.runs / f"{name}.jsonl"
         files[name].write_text("".join(json.dumps(m) + "\n" for m in items))
 
-    # 2. Runs, one at a time (2 cores).
-    sets = [f"rollout.prompts={files['fit'].resolve()}", f"eval.prompts={files['val'].resolve()}"]
+    # 2. Runs, seed by seed.
+    sets = [f"rollout.prompts={files['fit'].resolve()}", f"eval.prompts={files['val'].resolve()}", *args.sets]
     jobs = {name: [cm.Job(f"{name}-s{s}", "flow-grpo", s, sets + o, args.runs / f"{name}-s{s}",
                           args.rounds * ROUNDS_FACTOR[name] if name in ROUNDS_FACTOR else None) for s in args.seeds]
             for name, o in SETTINGS.items() if name in args.settings}
-    cm.run_jobs([j for js in jobs.values() for j in js if not cm.finished(j, args.rounds)], args.rounds, 1)
+    by_seed = [js[i] for i in range(len(args.seeds)) for js in jobs.values()]
+    cm.run_jobs([j for j in by_seed if not cm.finished(j, args.rounds)], args.rounds, args.jobs)
 
     # 3. Table.
     base = cm.base_eval([j for js in jobs.values() for j in js])["geneval_overall"]
