@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 import numpy as np
 import torch
 
@@ -75,6 +77,29 @@ def test_interrupted_training_resumes_to_the_same_model(tmp_path):
         b = load_file(next((done / part).glob("*.safetensors")))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
     assert (tmp_path / "whole" / "snapshots" / "step-00001" / "model_index.json").is_file()
+
+
+def test_a_run_is_lengthened_only_before_its_cooldown(tmp_path):
+    """Lengthening continues at the rate the steps so far had; into the cooldown it would restart the
+    decayed rate from the stable one, so it is refused (the folder is left as it was)."""
+    from tpkit.errors import ConfigError
+
+    r = tiny_recipe(flow_steps=4, cooldown=0.5)  # step 3 (of 0-3) trains at half the rate
+    assert sm.train(tmp_path / "early", r, max_minutes=0, progress=False, tune_threads=False) is None
+    while sm.train(tmp_path / "early", r, max_minutes=0, progress=False, tune_threads=False) is None:
+        st = torch.load(tmp_path / "early" / "state.pt", weights_only=False)
+        if st["phase"] == "flow" and st["step"] >= 1:
+            break
+    longer = dataclasses.replace(r, flow_steps=8)
+    assert sm.train(tmp_path / "early", longer, progress=False, tune_threads=False) is not None  # 1 step in: fine
+
+    done = sm.train(tmp_path / "done", r, progress=False, tune_threads=False)
+    before = (tmp_path / "done" / "state.pt").read_bytes()
+    with pytest.raises(ConfigError, match="cooldown") as e:
+        sm.train(tmp_path / "done", longer, progress=False, tune_threads=False)
+    assert "--flow-steps 4" in e.value.fix
+    assert (tmp_path / "done" / "state.pt").read_bytes() == before
+    assert sm.train(tmp_path / "done", r, progress=False, tune_threads=False) == done  # its own length: finished
 
 
 def test_tiny_shapes_ships_with_the_package_and_generates(monkeypatch):

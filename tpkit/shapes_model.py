@@ -42,7 +42,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -474,14 +474,20 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
     tr = _Trainer(out, r)
     if (out / "state.pt").is_file():
         st = torch.load(out / "state.pt", weights_only=False)
-        # the run may be lengthened (before its cooldown began, a longer run passes through the shorter
-        # one); a field added since that run keeps its default
+        # the run may be lengthened or shortened while every step it took had the learning rate the new
+        # length gives it too (before either cooldown began); a field added since that run keeps its default
+        from tpkit.errors import ConfigError
+
         free = ("flow_steps", "snapshot_every", "checkpoint_minutes")
         mine = {k: v for k, v in asdict(r).items() if k not in free}
         if {**mine, **{k: v for k, v in st["recipe"].items() if k not in free}} != mine:
-            from tpkit.errors import ConfigError
-
             raise ConfigError(f"{out} holds a run with another recipe", "use a fresh --out folder")
+        then = replace(r, flow_steps=st["recipe"].get("flow_steps", r.flow_steps))
+        taken = st["step"] if st["phase"] in ("flow", "done") else 0
+        if any(flow_lr(then, s) != flow_lr(r, s) for s in range(taken)):
+            raise ConfigError(f"{out} took {taken} of {then.flow_steps} flow steps, into its learning-rate cooldown: "
+                              f"{r.flow_steps} steps would continue at another rate than it trained with",
+                              f"pass --flow-steps {then.flow_steps} (its own) or use a fresh --out folder")
         tr.load(st)
         console.print(f"resuming {out}: phase {tr.phase}, step {tr.step}, {tr.seconds / 60:.1f} min so far")
     n_chunks = math.ceil(r.data_scenes / r.data_chunk)
