@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (tool `device`, 15 minutes a session), from the repo root:
 #   1. imports, GPU and versions -> $OUT/gpu.txt (the machine's own torch; tpkit's other needs
-#      travel as wheels in .whl/, git-ignored through .git/info/exclude and named in the call's carry;
-#      fetched here with `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl`
-#      for diffusers, transformers, huggingface_hub, peft, accelerate, webdataset and what they need
-#      that the image lacks: braceexpand tomli-w httpx2 httpcore2 truststore kernels tomlkit click regex)
+#      travel as wheels in .whl/, made here by `bash bench/device/fetch_wheels.sh` and named in the
+#      call's carry)
 #   2. the TP-GRPO shapes recipe on CUDA in bf16 (dtype auto), 2 rounds with held-out evaluation
 #      before and after -> $OUT/bf16.log, bf16-rounds.jsonl, bf16-report.png
 #   3. bench/tune_shapes.py's settings on the validation split in float32, 8 runs side by side,
