@@ -99,10 +99,10 @@ def report(jobs: dict[str, list[cm.Job]], base: float, rounds: int) -> str:
     """Columns are the k-th evaluation of each run, "after N rounds" of --rounds: a setting with
     ROUNDS_FACTOR evaluates less often, so its k-th evaluation comes after as many samples."""
     runs_of = {name: [cm.rounds_of(j)[:j.rounds or rounds] for j in js] for name, js in jobs.items()}
-    at_rounds = [js[0] for name, js in jobs.items() if name not in ROUNDS_FACTOR]
+    at_rounds = [name for name in runs_of if name not in ROUNDS_FACTOR]
     if not at_rounds:
         sys.exit("tune_shapes: the columns come from a setting run for --rounds; add one, e.g. --settings recipe ...")
-    evaluated = [i + 1 for i, r in enumerate(cm.rounds_of(at_rounds[0])[:rounds]) if r.get("eval")]
+    evaluated = [i + 1 for i, r in enumerate(runs_of[at_rounds[0]][0]) if r.get("eval")]
     lines = ["# Choosing the shapes recipes' RL settings on a validation split", "",
              f"Regenerate: `python {' '.join(sys.argv)}`. Flow-GRPO recipe, rollout prompts = the fit part of the train "
              "split, evaluation = its validation part (a third of the train split's prompt groups, never trained on; "
@@ -114,8 +114,8 @@ def report(jobs: dict[str, list[cm.Job]], base: float, rounds: int) -> str:
              + f" | per seed (after {rounds}) | train reward, last round | clip fraction |",
              "|" + " --- |" * (len(evaluated) + 5)]
     for name, rs in runs_of.items():
-        at = {n: [[r["eval"]["geneval_overall"] for r in run if r.get("eval")][k] for run in rs]
-              for k, n in enumerate(evaluated)}
+        evals = [[r["eval"]["geneval_overall"] for r in run if r.get("eval")] for run in rs]
+        at = {n: [e[k] for e in evals] for k, n in enumerate(evaluated)}
         clip = np.mean([r["train"]["clipfrac"] for run in rs for r in run])
         longer = [f"{ROUNDS_FACTOR[name]}x the rounds"] if name in ROUNDS_FACTOR else []
         lines.append(f"| {name} | {', '.join(SETTINGS[name] + longer) or '(the recipe)'} | "
