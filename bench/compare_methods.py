@@ -114,6 +114,8 @@ def finished(job: Job, rounds: int) -> bool:
 
 def run_jobs(todo: list[Job], rounds: int, parallel: int) -> None:
     """Start up to `parallel` runs at once, each with cores // parallel threads; logs beside the runs."""
+    if parallel < 1:
+        sys.exit(f"--jobs {parallel}: give at least 1 (runs side by side)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(cores // parallel, 1)
     pending, running = list(todo), []
@@ -421,6 +423,14 @@ def equal_time(all_jobs: list[Job], base: dict) -> list[str]:
     return L + [""]
 
 
+def make_folders(*folders: Path) -> None:
+    """--runs and --out up front, so that a file given for one stops the script before any run, not after."""
+    for folder in folders:
+        if folder.exists() and not folder.is_dir():
+            sys.exit(f"{folder} is a file, not a folder: pass a folder (new or an earlier run's) for --runs and --out")
+        folder.mkdir(parents=True, exist_ok=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -433,7 +443,7 @@ def main() -> None:
                                                                 "time for 6), continued from a copy of the comparison's run")
     p.add_argument("--long-seeds", type=int, nargs="+", help="seeds of those (default: the first three)")
     args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    make_folders(args.runs, args.out)
     t0 = time.time()
     all_jobs = jobs(args.seeds, args.runs, args.ablations)
     run_jobs([j for j in all_jobs if not finished(j, args.rounds)], args.rounds, args.jobs)

@@ -138,7 +138,7 @@ def main() -> None:
     args = p.parse_args()
 
     # 1. Split.
-    args.runs.mkdir(parents=True, exist_ok=True)
+    cm.make_folders(args.runs, args.out)
     files = {}
     for name, items in zip(("fit", "val"), split()):
         files[name] = args.runs / f"{name}.jsonl"
@@ -153,8 +153,10 @@ def main() -> None:
     cm.run_jobs([j for j in by_seed if not cm.finished(j, args.rounds)], args.rounds, args.jobs)
 
     # 3. Table.
-    base = cm.base_eval([j for js in jobs.values() for j in js])["geneval_overall"]
-    args.out.mkdir(parents=True, exist_ok=True)
+    base = cm.base_eval([j for js in jobs.values() for j in js]).get("geneval_overall")
+    if base is None:
+        sys.exit(f"tune_shapes: no run under {args.runs} holds its base-model evaluation (eval-base/manifest.json); "
+                 "rerun into a fresh --runs folder")
     text = report(jobs, base, args.rounds)
     old = (args.out / "RESULTS.md").read_text() if (args.out / "RESULTS.md").is_file() else ""
     if cm.READING in old:  # the hand-written reading survives a regeneration (check it against the new numbers)

@@ -6,7 +6,8 @@
 #   2. the TP-GRPO shapes recipe on CUDA in bf16 (dtype auto), 2 rounds with held-out evaluation
 #      before and after -> $OUT/bf16.log, bf16-rounds.jsonl, bf16-report.png
 #   3. bench/tune_shapes.py's settings on the validation split in float32, 8 runs side by side,
-#      seed by seed, cut at SWEEP_S seconds -> $OUT/sweep.log, sweep.tgz (rounds.jsonl and logs)
+#      seed by seed, cut at SWEEP_S seconds -> $OUT/sweep.log, sweep.tgz (rounds.jsonl, run.toml,
+#      manifests (eval-base's holds the base model's accuracy) and logs)
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -37,6 +38,6 @@ timeout "$SWEEP_S" python3 bench/tune_shapes.py --seeds $SEEDS --rounds 9 --jobs
   > "$OUT/sweep.log" 2>&1; echo "sweep: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu.txt"
 sleep 2
 (cd /tmp && find tune \( -name rounds.jsonl -o -name '*.log' -o -name 'fit.jsonl' -o -name 'val.jsonl' \
-   -o -name summary.json -o -name run.toml \) -print0 | tar czf "$OUT/sweep.tgz" --null -T -)
+   -o -name manifest.json -o -name run.toml \) -print0 | tar czf "$OUT/sweep.tgz" --null -T -)
 cp /tmp/tune-out/RESULTS.md "$OUT/" 2>/dev/null
 tail -40 "$OUT/sweep.log"
