@@ -2,7 +2,7 @@
 train split, and the candidate settings run on it with several seeds.
 
     python bench/tune_shapes.py [--seeds 0 1] [--rounds 6] [--settings NAME ...] [--runs /tmp/tune/runs] [--out bench/tune]
-                                [--jobs 1] [--set KEY=VALUE ...]
+                                [--jobs 1] [--set KEY=VALUE ...] [--method flow-grpo|tp-grpo]
 
 1. Split. Per task, the train split's prompt groups (GenEval's order-free `prompt_key`, the same
    unit as the train/test rule in `tpkit.shapes`) are ordered by a salted SHA-256 of the key and the
@@ -13,8 +13,9 @@ train split, and the candidate settings run on it with several seeds.
    recipes, so both are tuned equally) with rollout prompts = fit, held-out evaluation = validation,
    once per setting in SETTINGS (or those named by --settings) and seed, seed by seed (a sweep cut
    short holds every setting at its first seeds), --jobs of them side by side; --set adds overrides
-   to every run (e.g. `rollout.dtype=float32` on a GPU). Finished runs are kept: rerunning recomputes
-   nothing it has.
+   to every run (e.g. `rollout.dtype=float32` on a GPU); --method tp-grpo runs the settings on
+   pipelines/shapes-tpgrpo.toml instead (for a setting meant for TP-GRPO's step rewards, such as
+   `soft`). Finished runs are kept: rerunning recomputes nothing it has.
 3. bench/tune/RESULTS.md: validation accuracy at every evaluated round per setting (mean and 95 %
    t-interval over seeds, per seed), the train reward of the last round, the ratio clip fraction.
 """
@@ -66,8 +67,15 @@ SETTINGS = {  # name -> --set overrides of the recipe (its own values: one optim
     "prompts32": ["rollout.prompts_per_round=32"],
     # a smaller step, for longer runs
     "lr2e-3": ["train.learning_rate=2e-3"],
+    # a continuous reward: the dense score averaged over detection thresholds (`tpkit.geneval.soft_score`),
+    # so the ODE completions from neighbouring states tie less (TP-GRPO's step rewards are mostly 0)
+    "soft": ["rewards.geneval.soft=true"],
+    # ... whose late steps differ by ~0.001 (detector confidence): the group std would blow those up to
+    # unit advantages, the std over all groups keeps them small
+    "soft-std-global": ["rewards.geneval.soft=true", "advantages.std=global"],
 }
 # settings run for this many times --rounds
+METHODS = {"flow-grpo": "Flow-GRPO", "tp-grpo": "TP-GRPO"}
 ROUNDS_FACTOR = {"half-batch-x2": 2, "half-batch-x2-kl0.04": 2, "half-batch-x2-kl0.01": 2}
 
 
@@ -95,7 +103,7 @@ def split(n_fit: int = 80, n_val: int = 16, seed: int = 0) -> tuple[list[dict], 
     return fit, val
 
 
-def report(jobs: dict[str, list[cm.Job]], base: float, rounds: int) -> str:
+def report(jobs: dict[str, list[cm.Job]], base: float, rounds: int, method: str = "flow-grpo") -> str:
     """Columns are the k-th evaluation of each run, "after N rounds" of --rounds: a setting with
     ROUNDS_FACTOR evaluates less often, so its k-th evaluation comes after as many samples."""
     runs_of = {name: [cm.rounds_of(j)[:j.rounds or rounds] for j in js] for name, js in jobs.items()}
@@ -104,7 +112,7 @@ def report(jobs: dict[str, list[cm.Job]], base: float, rounds: int) -> str:
         sys.exit("tune_shapes: the columns come from a setting run for --rounds; add one, e.g. --settings recipe ...")
     evaluated = [i + 1 for i, r in enumerate(runs_of[at_rounds[0]][0]) if r.get("eval")]
     lines = ["# Choosing the shapes recipes' RL settings on a validation split", "",
-             f"Regenerate: `python {' '.join(sys.argv)}`. Flow-GRPO recipe, rollout prompts = the fit part of the train "
+             f"Regenerate: `python {' '.join(sys.argv)}`. {METHODS[method]} recipe, rollout prompts = the fit part of the train "
              "split, evaluation = its validation part (a third of the train split's prompt groups, never trained on; "
              "no test prompt is read). 96 prompts x 2 images, 40 ODE steps; 95 % t-intervals over seeds.", "",
              f"Base model on validation: **{base:.3f}**."
@@ -133,6 +141,8 @@ def main() -> None:
     p.add_argument("--runs", type=Path, default=cm.ROOT / "runs" / "tune", help="where the runs go (large)")
     p.add_argument("--out", type=Path, default=cm.ROOT / "bench" / "tune", help="RESULTS.md")
     p.add_argument("--jobs", type=int, default=1, help="runs side by side (each gets cores / jobs threads)")
+    p.add_argument("--method", choices=list(METHODS), default="flow-grpo",
+                   help="whose recipe the settings change (flow-grpo: the cheaper, used to choose the recipes' settings)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="an override for every run (repeatable), e.g. rollout.dtype=float32")
     args = p.parse_args()
@@ -146,7 +156,7 @@ def main() -> None:
 
     # 2. Runs, seed by seed.
     sets = [f"rollout.prompts={files['fit'].resolve()}", f"eval.prompts={files['val'].resolve()}", *args.sets]
-    jobs = {name: [cm.Job(f"{name}-s{s}", "flow-grpo", s, sets + o, args.runs / f"{name}-s{s}",
+    jobs = {name: [cm.Job(f"{name}-s{s}", args.method, s, sets + o, args.runs / f"{name}-s{s}",
                           args.rounds * ROUNDS_FACTOR[name] if name in ROUNDS_FACTOR else None) for s in args.seeds]
             for name, o in SETTINGS.items() if name in args.settings}
     by_seed = [js[i] for i in range(len(args.seeds)) for js in jobs.values()]
@@ -157,7 +167,7 @@ def main() -> None:
     if base is None:
         sys.exit(f"tune_shapes: no run under {args.runs} holds its base-model evaluation (eval-base/manifest.json); "
                  "rerun into a fresh --runs folder")
-    text = report(jobs, base, args.rounds)
+    text = report(jobs, base, args.rounds, args.method)
     old = (args.out / "RESULTS.md").read_text() if (args.out / "RESULTS.md").is_file() else ""
     if cm.READING in old:  # the hand-written reading survives a regeneration (check it against the new numbers)
         text += "\n" + old[old.index(cm.READING):]

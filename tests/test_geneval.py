@@ -75,6 +75,40 @@ def test_extra_instances_pass_geneval_but_lower_the_dense_score():
     check(G.judge(single(), [D("cat", b) for b in boxes[:3]]), True, -1.0)  # not clamped (Flow-GRPO)
 
 
+def test_soft_score_averages_the_dense_score_over_detection_thresholds():
+    # a named object drawn with confidence s earns (s - 0.3) / 0.7 of its count term
+    assert G.judge(single(), [D("cat", score=0.65)]).soft == pytest.approx(0.5)
+    # an extra blob costs in proportion to its confidence: 2 cats for 1 score 0 below 0.65, 1 above
+    two = [D("cat", score=1.0), D("cat", (20, 0, 30, 10), score=0.65)]
+    assert G.judge(single(), two).soft == pytest.approx(0.5)
+    # every tag averages over [0.3, 1), counting too (its dense score keeps only > 0.9)
+    apples = [D("apple", (20 * k, 0, 20 * k + 10, 10), score=s) for k, s in enumerate((1.0, 1.0, 0.8))]
+    j = G.judge(counting(n=3), apples)
+    assert j.score == pytest.approx(2 / 3)  # 2 of 3 kept
+    assert j.soft == pytest.approx((0.5 * 1.0 + 0.2 * 2 / 3) / 0.7)  # 3 found for tau < 0.8, 2 above
+    # equal to the dense score when every detection scores 1.0 or at most 0.3
+    sure = [D("teddy bear", (0, 0, 10, 10), 1.0), D("dog", (30, 0, 40, 10), 1.0), D("cat", score=0.2)]
+    for rel in G.RELATIONS:
+        j = G.judge(position(rel), sure)
+        assert j.soft == pytest.approx(j.score)
+    assert G.judge(single(), []).soft == 0.0
+
+
+def test_soft_score_matches_a_fine_grid_of_thresholds():
+    import random
+
+    rng = random.Random(0)
+    metas = [single("cat"), counting("cat", 2), colors("cat", "red", 2), position("left of", "cat", "dog")]
+    for _ in range(40):
+        dets = [D(rng.choice(["cat", "dog"]), (x := rng.uniform(0, 90), 0, x + 10, 10), rng.uniform(0.1, 1.0),
+                  rng.choice(["red", "blue"])) for _ in range(rng.randint(0, 5))]
+        for meta in metas:
+            n = 2000  # midpoints of n equal bins of [0.3, 1)
+            grid = sum(G._flow_grpo_score(meta, G.kept_objects(meta, dets, threshold=0.3 + 0.7 * (i + 0.5) / n))
+                       for i in range(n)) / n
+            assert G.soft_score(meta, dets) == pytest.approx(grid, abs=5e-3)
+
+
 def test_more_than_16_detections_keeps_the_16_most_confident():
     dets = [D("cat", (20 * k, 0, 20 * k + 10, 10), score=0.4 + 0.01 * k) for k in range(20)]
     j = G.judge(single(), dets)

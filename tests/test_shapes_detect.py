@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tpkit import geneval, shapes
+from tpkit.errors import RewardError
 from tpkit.shapes_detect import components, detect
 
 
@@ -152,6 +153,18 @@ def test_rewards_with_the_shapes_detector():
     wrong_meta = [scenes[(i + 1) % 6].metadata for i in range(6)]  # each image judged against another task's prompt
     wrong = score_images(rewards, images, [m["prompt"] for m in wrong_meta], wrong_meta)
     assert sum(wrong["reward_geneval_strict"]) <= 1 and sum(wrong["reward_geneval"]) < 3  # a colour_attr scene has a single object
+
+    # soft = true: the dense score averaged over detection thresholds; clean renders score > 0.9,
+    # so it is a little under 1 for the right prompts
+    soft = load_rewards({"geneval": 1.0}, {"geneval": {"detector": "shapes", "soft": True}})
+    right_soft = score_images(soft, images, [s.prompt for s in scenes], [s.metadata for s in scenes])["reward"]
+    assert all(0.85 < r <= 1.0 for r in right_soft), right_soft
+    wrong_soft = score_images(soft, images, [m["prompt"] for m in wrong_meta], wrong_meta)["reward"]
+    assert sum(wrong_soft) < 3
+    with pytest.raises(RewardError, match="'soft' must be true or false"):
+        load_rewards({"geneval": 1.0}, {"geneval": {"detector": "shapes", "soft": "yes"}})
+    with pytest.raises(RewardError, match="no option 'soft'"):  # the verdict has nothing to soften
+        load_rewards({"geneval-strict": 1.0}, {"geneval-strict": {"detector": "shapes", "soft": True}})
 
 
 def _write_geneval_folder(root, metas, scenes_for) -> None:
