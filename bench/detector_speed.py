@@ -9,8 +9,12 @@ stage, where it cost about as much CPU as the diffusion transformer. Timed on
 Each kind is timed on a first set (cold template caches, where a detector keeps them), then on a
 second, different one (warm, as in a long run); --module times another copy (e.g. an older one)
 instead, --against times one beside tpkit's, interleaved in this process, and prints the ratio.
+--workers N then times `ShapesDetector(workers=N)` (the reward option `workers`) against the
+detector in this thread on the model-like images, in calls of 64 images (the shapes recipes'
+decode batch: one reward call each in the score stage) after one call that starts the processes,
+and prints the speed-up.
 
-    python bench/detector_speed.py [--images 80] [--module PATH | --against PATH] [--pngs DIR]
+    python bench/detector_speed.py [--images 80] [--module PATH | --against PATH] [--pngs DIR] [--workers N]
     git show baba483:tpkit/shapes_detect.py > /tmp/old.py && python bench/detector_speed.py --against /tmp/old.py --pngs runs/X
 """
 
@@ -72,6 +76,7 @@ def main() -> None:
     parser.add_argument("--module", default=None, help="a shapes_detect.py file to time instead of tpkit's")
     parser.add_argument("--pngs", default=None, help="a folder of a model's samples (PNGs) to time too")
     parser.add_argument("--against", default=None, help="a shapes_detect.py file to time beside tpkit's (ratio)")
+    parser.add_argument("--workers", type=int, default=0, help="also time the detector spread over N processes")
     args = parser.parse_args()
     detectors = {args.module or "tpkit.shapes_detect": load_detector(args.module)}
     if args.against:
@@ -90,6 +95,26 @@ def main() -> None:
         if args.against:
             ours, theirs = times.values()
             print(f"  {kind:6s}  ratio {args.against} / tpkit: {theirs[0] / ours[0]:.2f}x cold, {theirs[1] / ours[1]:.2f}x warm")
+    if args.workers >= 2:
+        workers_speedup(args.workers, sets["blurry"][0] + sets["blurry"][1])
+
+
+def workers_speedup(workers: int, batch: list[np.ndarray], call: int = 64) -> None:
+    from tpkit.shapes_detect import ShapesDetector
+
+    alone, pooled = ShapesDetector(), ShapesDetector(workers)
+    pooled(batch[:call])  # starts the processes (once per run)
+    times = {}
+    for name, detector in (("in this thread", alone), (f"{workers} processes", pooled), ("in this thread", alone)):
+        start = time.perf_counter()
+        for i in range(0, len(batch), call):
+            detector(batch[i:i + call])
+        times.setdefault(name, []).append(1000 * (time.perf_counter() - start) / len(batch))
+    pooled._pool.shutdown()
+    base = float(np.mean(times["in this thread"]))  # timed before and after the processes
+    ms = times[f"{workers} processes"][0]
+    print(f"  blurry  {base:6.2f} ms/image in this thread, {ms:6.2f} ms/image over {workers} processes "
+          f"(calls of {call}): {base / ms:.2f}x")
 
 
 if __name__ == "__main__":

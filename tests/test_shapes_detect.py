@@ -167,6 +167,29 @@ def test_rewards_with_the_shapes_detector():
         load_rewards({"geneval-strict": 1.0}, {"geneval-strict": {"detector": "shapes", "soft": True}})
 
 
+def test_worker_processes_detect_the_same():
+    """workers=2: the images go to two spawned processes, the detections come back unchanged and in order."""
+    from PIL import Image
+
+    from tpkit.shapes_detect import ShapesDetector
+
+    rng = np.random.default_rng(5)
+    images = [Image.fromarray(shapes.render(shapes.sample_scene(rng, task))) for task in shapes.TAGS * 2]
+    images[3] = images[3].resize((128, 128))  # any size, as in the calling thread
+    pooled = ShapesDetector(workers=2)
+    try:
+        assert pooled(images) == ShapesDetector()(images)
+    finally:
+        pooled._pool.shutdown()
+    assert geneval.load_models("shapes", workers=2)[0] is geneval.load_models("shapes", workers=2)[0]  # one pool
+    with pytest.raises(RewardError, match="workers must be an integer >= 0"):
+        from tpkit.rewards import load_rewards
+
+        load_rewards({"geneval": 1.0}, {"geneval": {"detector": "shapes", "workers": -1}})
+    with pytest.raises(RewardError, match="workers applies to detector=shapes only"):
+        load_rewards({"geneval": 1.0}, {"geneval": {"workers": 4}})
+
+
 def _write_geneval_folder(root, metas, scenes_for) -> None:
     import json
 

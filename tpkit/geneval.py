@@ -598,15 +598,16 @@ _MODELS_LOCK = threading.Lock()
 
 
 def load_models(detector: str = DEFAULT_DETECTOR, clip: str = DEFAULT_CLIP, device=None,
-                fixes: dict[str, str] | None = None) -> tuple[Callable, ColourClassifier | None]:
+                fixes: dict[str, str] | None = None, workers: int = 0) -> tuple[Callable, ColourClassifier | None]:
     """The detector and colour classifier, built once per process and (detector, clip, device), shared by
     the `geneval` and `geneval-strict` rewards and `tpkit eval geneval`. fixes: option -> what to tell
-    the user when that model is missing. detector "shapes": `tpkit.shapes_detect.ShapesDetector` and no
-    colour classifier (its detections carry their colour; `clip` is not loaded)."""
+    the user when that model is missing. detector "shapes": `tpkit.shapes_detect.ShapesDetector` (with
+    `workers` processes) and no colour classifier (its detections carry their colour; `clip` is not loaded)."""
     if detector == "shapes":  # tpkit.shapes scenes: a weight-free detector that reports colours itself
         from tpkit.shapes_detect import ShapesDetector
 
-        return ShapesDetector(), None
+        with _MODELS_LOCK:  # one pool of workers per process, however many rewards use it
+            return _MODELS.setdefault(("shapes", workers), (ShapesDetector(workers), None))
     device = device if device is not None else _device()
     key = (detector, clip, str(device))
     with _MODELS_LOCK:
@@ -663,11 +664,17 @@ def _judging_reward(reward: str, options: dict, more: dict | None = None) -> Cal
     from tpkit.rewards import take_options
 
     opts = take_options(reward, options, {"detector": DEFAULT_DETECTOR, "clip": DEFAULT_CLIP, "batch_size": 16,
-                                          **(more or {})})
-    batch_size = opts["batch_size"]
+                                          "workers": 0, **(more or {})})
+    batch_size, workers = opts["batch_size"], opts["workers"]
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise RewardError(f"reward {reward!r}: batch_size must be a positive integer, got {batch_size!r}",
                           f"e.g. --reward-opt {reward}.batch_size=16")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise RewardError(f"reward {reward!r}: workers must be an integer >= 0, got {workers!r}",
+                          f"e.g. --reward-opt {reward}.workers=8 (processes for detector=shapes; 0: none)")
+    if workers and opts["detector"] != "shapes":
+        raise RewardError(f"reward {reward!r}: workers applies to detector=shapes only (the model detectors batch "
+                          "on their device)", f"drop --reward-opt {reward}.workers")
     for name in ("detector", "clip"):
         if not isinstance(opts[name], str) or not opts[name]:
             raise RewardError(f"reward {reward!r}: option {name!r} must be a hub id or a folder, got {opts[name]!r}",
@@ -678,7 +685,7 @@ def _judging_reward(reward: str, options: dict, more: dict | None = None) -> Cal
         "clip": f"give a local copy with --reward-opt {reward}.clip=PATH (or `clip = PATH` in the recipe's "
                 f"[rewards.{reward}] table)",
     }
-    detector, colours = load_models(str(opts["detector"]), str(opts["clip"]), fixes=fixes)
+    detector, colours = load_models(str(opts["detector"]), str(opts["clip"]), fixes=fixes, workers=workers)
 
     def run(images, prompts, metadata) -> list[Judgement]:
         metadata = list(metadata) if metadata is not None else [None] * len(images)
@@ -696,8 +703,10 @@ def _judging_reward(reward: str, options: dict, more: dict | None = None) -> Cal
             except ValueError as e:
                 raise RewardError(f"reward {reward!r}: prompt {prompt!r} has bad GenEval metadata: {e}", _PROMPTS_FIX) from None
         out: list[Judgement] = []
-        for start in range(0, len(images), batch_size):
-            out += detect_and_judge(images[start:start + batch_size], metadata[start:start + batch_size],
+        # the weight-free detector holds no device memory: the whole call at once, spread over its workers
+        step = max(len(images), 1) if opts["detector"] == "shapes" else batch_size
+        for start in range(0, len(images), step):
+            out += detect_and_judge(images[start:start + step], metadata[start:start + step],
                                     detector, colours, batch_size=batch_size)
         return out
 
@@ -718,9 +727,10 @@ def geneval_reward(options: dict):
     """The `geneval` reward: Flow-GRPO's dense GenEval score per image (see the module docstring).
 
     Options: detector (default facebook/mask2former-swin-small-coco-instance), clip (default
-    openai/clip-vit-large-patch14), batch_size (images per detector batch, default 16), soft (default
-    false: true scores `soft_score`, the dense score averaged over detection thresholds). Models load
-    now, so a missing one fails before any image is scored.
+    openai/clip-vit-large-patch14), batch_size (images per detector batch, default 16), workers
+    (processes for detector=shapes, default 0: in the calling thread), soft (default false: true scores
+    `soft_score`, the dense score averaged over detection thresholds). Models load now, so a missing
+    one fails before any image is scored.
     """
     soft = options.get("soft", False)
     if not isinstance(soft, bool):
@@ -735,7 +745,7 @@ def geneval_reward(options: dict):
 
 
 def geneval_strict(options: dict):
-    """The `geneval-strict` reward: GenEval's verdict as 0/1 (same options and models as `geneval`)."""
+    """The `geneval-strict` reward: GenEval's verdict as 0/1 (options and models as `geneval`, but soft)."""
     run = _judging_reward("geneval-strict", options)
 
     def score(images, prompts, metadata):

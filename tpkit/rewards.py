@@ -83,10 +83,10 @@ BUILTIN: dict[str, tuple[Callable[[dict], RewardFn], str]] = {
     "geneval": (_lazy("geneval", "geneval_reward"),
                 "a Mask2Former COCO instance detector + CLIP ViT-L/14 colour classifier; prompts need GenEval "
                 "metadata; the dense Flow-GRPO score (options: detector (detector=shapes: the weight-free detector of "
-                "tpkit.shapes scenes, no CLIP), clip, batch_size, soft (true: averaged over detection "
-                "thresholds, continuous in the detections' confidences))"),
+                "tpkit.shapes scenes, no CLIP; workers: processes for it), clip, batch_size, soft (true: averaged "
+                "over detection thresholds, continuous in the detections' confidences))"),
     "geneval-strict": (_lazy("geneval", "geneval_strict"),
-                       "as geneval, but GenEval's 0/1 verdict (options: detector, clip, batch_size)"),
+                       "as geneval, but GenEval's 0/1 verdict (options: detector, clip, batch_size, workers)"),
 }
 
 

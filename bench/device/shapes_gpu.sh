@@ -5,6 +5,9 @@
 #      call's carry)
 #   2. the TP-GRPO shapes recipe on CUDA in bf16 (dtype auto), 2 rounds with held-out evaluation
 #      before and after -> $OUT/bf16.log, bf16-rounds.jsonl, bf16-report.png
+#   2b. the same 2 rounds with the shapes detector spread over 8 processes (reward option workers;
+#      score is CPU-bound there) -> $OUT/pool.log, pool-rounds.jsonl: compare the score seconds per
+#      round with step 2's (same seeds: the rewards, hence the rounds' numbers, must be identical)
 #   3. bench/tune_shapes.py's settings on the validation split in float32, 8 runs side by side,
 #      seed by seed, cut at SWEEP_S seconds -> $OUT/sweep.log, sweep.tgz (rounds.jsonl, run.toml,
 #      manifests (eval-base's holds the base model's accuracy) and logs)
@@ -14,6 +17,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SWEEP_S=${SWEEP_S:-300}
 SEEDS=${SEEDS:-0 1 2 3}
 SMOKE=${SMOKE:-1}  # 0: skip step 2
+POOL=${POOL:-1}  # 0: skip step 2b
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc
@@ -29,6 +33,13 @@ timeout 180 python3 -m tpkit run pipelines/shapes-tpgrpo.toml --out /tmp/bf16 --
   > "$OUT/bf16.log" 2>&1; echo "bf16 smoke: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu.txt"
 cp /tmp/bf16/rounds.jsonl "$OUT/bf16-rounds.jsonl" 2>/dev/null; cp /tmp/bf16/report.png "$OUT/bf16-report.png" 2>/dev/null
 tail -25 "$OUT/bf16.log"
+fi
+if [ "$POOL" = 1 ]; then
+t0=$(date +%s)
+timeout 180 python3 -m tpkit run pipelines/shapes-tpgrpo.toml --out /tmp/pool --rounds 2 --set eval_every=2 \
+  --set rewards.geneval.workers=8 > "$OUT/pool.log" 2>&1; echo "pool: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu.txt"
+cp /tmp/pool/rounds.jsonl "$OUT/pool-rounds.jsonl" 2>/dev/null
+tail -15 "$OUT/pool.log"
 fi
 
 t0=$(date +%s)
