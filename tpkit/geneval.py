@@ -704,13 +704,9 @@ def _judging_reward(reward: str, options: dict, more: dict | None = None) -> Cal
                 check_meta(meta)
             except ValueError as e:
                 raise RewardError(f"reward {reward!r}: prompt {prompt!r} has bad GenEval metadata: {e}", _PROMPTS_FIX) from None
-        out: list[Judgement] = []
-        # the weight-free detector holds no device memory: the whole call at once, spread over its workers
-        step = max(len(images), 1) if opts["detector"] == "shapes" else batch_size
-        for start in range(0, len(images), step):
-            out += detect_and_judge(images[start:start + step], metadata[start:start + step],
-                                    detector, colours, batch_size=batch_size)
-        return out
+        # one call, as `tpkit eval geneval` makes it: the model detector batches by batch_size itself,
+        # the shapes detector spreads the whole call over its workers
+        return detect_and_judge(images, metadata, detector, colours, batch_size=batch_size)
 
     return run
 

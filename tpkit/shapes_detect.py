@@ -541,16 +541,20 @@ class ShapesDetector:
     name = "shapes"
 
     def __init__(self, workers: int = 0):
+        import threading
+
         self.workers = workers
         self._pool = None
+        self._lock = threading.Lock()  # several reward threads may make the first call at once
 
     def __call__(self, images: Sequence, batch_size: int | None = None) -> list[list[dict]]:
         if self.workers < 2 or len(images) < 2:
             return [detect(im) for im in images]
-        if self._pool is None:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
+        with self._lock:
+            if self._pool is None:
+                import multiprocessing
+                from concurrent.futures import ProcessPoolExecutor
 
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+                self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
         arrays = [np.asarray(im.convert("RGB") if hasattr(im, "convert") else im) for im in images]
         return list(self._pool.map(detect, arrays, chunksize=max(1, len(arrays) // (2 * self.workers))))
