@@ -350,6 +350,10 @@ def test_continue_extend_redo_and_refuse(e2e, tmp_path):
     assert files_under(run_dir, 0, 1) == before
     assert lines == e2e["rounds"]
     assert read_jsonl(run_dir / layout.ROUNDS_FILE) == e2e["rounds"]
+    #    So does a continuation with other options that only say how the stages run (config.RUN_ONLY).
+    how = ["score.reward_workers=0", "score.on_nan=drop", "train.checkpoint_every=1", "train.max_bad_steps=5"]
+    assert run(load_recipe(recipe, how, out=str(run_dir))) == e2e["rounds"]
+    assert files_under(run_dir, 0, 1) == before
 
     # 2. rounds=3 runs only round 2 (from round 1's adapter).
     lines = run(load_recipe(recipe, rounds=3, out=str(run_dir)))
@@ -407,6 +411,40 @@ def test_continue_extend_redo_and_refuse(e2e, tmp_path):
     with pytest.raises(InputError, match="--std"):
         layout.check_out(adv1, {**held, "options": {**held["options"], "std": "global"}, "id": "now"},
                          overwrite=False, defaults=defaults)
+
+
+@pytest.mark.parametrize("changes, differs", [
+    (["score.reward_workers=4", "score.on_nan=drop", "rewards.geneval.workers=2",
+      "eval.reward_options.geneval.workers=2", "train.checkpoint_every=1", "train.allow_no_op=true"], []),
+    (["rewards.geneval.soft=true"], ["rewards"]),
+    (["score.batch_size=8"], ["score"]),  # another batch shape may round differently
+    (["eval.reward_options.geneval.detector=mask2former"], ["eval"]),
+])
+def test_a_continued_run_may_change_how_stages_run_not_what_they_compute(tmp_path, changes, differs):
+    """The run-level recipe check leaves out what the stages' identities leave out: reward threads,
+    --on-nan, the shapes detector's processes (same detections), when to checkpoint; not what changes
+    results. Whichever way round (options added or dropped on the continuation)."""
+    from tpkit.run import RUN_TOML, recipe_difference
+
+    recipe = ROOT / "pipelines" / "shapes-tpgrpo.toml"
+    for first, then in ((changes, []), ([], changes)):
+        (tmp_path / RUN_TOML).write_text(tomli_w.dumps(load_recipe(recipe, first).to_dict()))
+        assert recipe_difference(tmp_path, load_recipe(recipe, then)) == differs
+
+
+def test_stage_identities_leave_out_the_detectors_processes():
+    from tpkit import evaluate, score
+    from tpkit.config import EvalConfig
+
+    def score_id(**opts):
+        return score.identity(ScoreConfig(rewards={"geneval": 1.0}, reward_options={"geneval": opts}), {"rollout_id": "r"})
+
+    def eval_id(**opts):
+        return evaluate.identity(EvalConfig(kind="geneval", reward_options={"geneval": opts}))
+
+    for ident in (score_id, eval_id):
+        assert ident(detector="shapes", workers=4)["id"] == ident(detector="shapes")["id"]
+        assert ident(detector="shapes", soft=True)["id"] != ident(detector="shapes")["id"]
 
 
 def test_lr_half_life_decays_each_rounds_learning_rate(tmp_path, two_prompts):

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from tpkit import formulas, layout, models, tracking
-from tpkit.config import TrainConfig, lora_targets, to_dict
+from tpkit.config import RUN_ONLY, TrainConfig, lora_targets, to_dict
 from tpkit.errors import InputError, TpkitError
 from tpkit.timing import Phases
 
@@ -101,8 +101,7 @@ def identity(cfg: TrainConfig, rollout: dict, adv_files: list[Path]) -> dict:
         "advantages_sha256": layout.digests(adv_files),
         "init_lora_sha256": layout.tree_digest(policy_adapter(cfg.init_lora)) if cfg.init_lora else None,
         "init_state_sha256": layout.tree_digest(state) if state and state.is_dir() else None},
-        leave_out=("rollout", "advantages", "init_lora", "checkpoint_every", "max_bad_steps", "allow_no_op",
-                   "log_with"))
+        leave_out=("rollout", "advantages", "init_lora", *RUN_ONLY["train"]))
 
 
 def check_advantages_belong(rollout: dict, rollout_dir: Path, advantages: Path, adv_files: list[Path]) -> dict:
