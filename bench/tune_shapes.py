@@ -36,6 +36,7 @@ import compare_methods as cm  # (the runner and interval helpers of the method c
 
 from tpkit import geneval_prompts as gp
 from tpkit import shapes
+from tpkit.models import sd3
 
 SALT = "tpkit-shapes-validation-v1"
 SETTINGS = {  # name -> --set overrides of the recipe (its own values: one optimizer step a round at lr 3e-3)
@@ -67,6 +68,9 @@ SETTINGS = {  # name -> --set overrides of the recipe (its own values: one optim
     "prompts32": ["rollout.prompts_per_round=32"],
     # a smaller step, for longer runs
     "lr2e-3": ["train.learning_rate=2e-3"],
+    # Room to move: the feed-forward layers adapted too, or a rank-32 adapter (alpha / rank kept at 2).
+    "lora-ff": ["train.lora_targets=" + json.dumps(list(sd3.LORA_TARGETS + sd3.LORA_TARGETS_FF))],
+    "lora-r32": ["train.lora_rank=32", "train.lora_alpha=64"],
     # a continuous reward: the dense score averaged over detection thresholds (`tpkit.geneval.soft_score`),
     # so the ODE completions from neighbouring states tie less (TP-GRPO's step rewards are mostly 0)
     "soft": ["rewards.geneval.soft=true"],

@@ -16,7 +16,7 @@ import torch
 
 from tpkit import formulas as F
 from tpkit.config import TrainConfig
-from tpkit.models.sd3 import LORA_TARGETS, LORA_TARGETS_ATTN2
+from tpkit.models.sd3 import LORA_TARGETS, LORA_TARGETS_ATTN2, LORA_TARGETS_FF
 
 NOISE_LEVEL = 0.7
 
@@ -225,3 +225,17 @@ def test_second_attention_is_opt_in():
     assert len(names) == 191 + 13 * 4
     assert {n for n in names if ".attn2." in n} == {f"transformer_blocks.{i}.attn2.{t}" for i in range(13)
                                                    for t in ("to_q", "to_k", "to_v", "to_out.0")}
+
+
+def test_feed_forward_layers_are_opt_in():
+    """The image stream's two FF linears in every block, the text stream's in all but the context-pre-only
+    last block (it has no ff_context); `ff.net.2` does not also catch `ff_context.net.2`."""
+    from tpkit.config import lora_targets
+    from tpkit.models import base
+
+    model = sd35_medium_shaped_transformer()
+    base.add_trainable_lora(model, 4, 8, lora_targets(list(LORA_TARGETS) + list(LORA_TARGETS_FF), "sd3"))
+    ff = {n for n in adapted_modules(model) if ".ff" in n}
+    assert ff == ({f"transformer_blocks.{i}.ff.{t}" for i in range(24) for t in ("net.0.proj", "net.2")}
+                  | {f"transformer_blocks.{i}.ff_context.{t}" for i in range(23) for t in ("net.0.proj", "net.2")})
+    assert len(adapted_modules(model)) == 191 + len(ff)

@@ -30,13 +30,16 @@ LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.ad
                 "attn.add_v_proj", "attn.to_add_out")
 # Opt-in: the second (image-only) attention of SD3.5's dual-attention blocks.
 LORA_TARGETS_ATTN2 = ("attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
+# Opt-in: the feed-forward layers of every block, image and text stream (`ff.net.2` does not match
+# `ff_context.net.2`: peft matches whole dotted suffixes).
+LORA_TARGETS_FF = ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
 
 # Defaults of SD3.5 (hub ids and folders). Text length = T5 tokens per prompt (`max_sequence_length`):
 # 128 as the authors' release encodes prompts in training and evaluation. Guidance: the CFG scale of
 # rollouts and evaluation, 4.5 as the release samples SD3.5. `sizes`: SD3.5-Medium's, for doctor's
 # memory estimates (transformer parameters, latent channels, VAE factor, text widths).
 DEFAULTS = {"resolution": 512, "text_length": 128, "guidance": 4.5, "lora_targets": LORA_TARGETS,
-            "lora_targets_optional": LORA_TARGETS_ATTN2,
+            "lora_targets_optional": LORA_TARGETS_ATTN2 + LORA_TARGETS_FF,
             # what one prompt's stored encodings and one LoRA rank cost (doctor's disk estimate): 2 sets (the prompt
             # and the empty negative) of 77 CLIP + T5 tokens x 4096 and a 2048 pooled vector; ~191 adapted
             # 1536x1536 linears of SD3.5-Medium in float32
