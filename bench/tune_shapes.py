@@ -77,6 +77,10 @@ SETTINGS = {  # name -> --set overrides of the recipe (its own values: one optim
     # ... whose late steps differ by ~0.001 (detector confidence): the group std would blow those up to
     # unit advantages, the std over all groups keeps them small
     "soft-std-global": ["rewards.geneval.soft=true", "advantages.std=global"],
+    # the dense score on GenEval's view (each clause's top-n detections; extras cost nothing but in
+    # counting's exclude clause): Flow-GRPO's charges every extra shape, and held-out images mostly fail
+    # by drawing too few
+    "top-n": ["rewards.geneval.top_n=true"],
 }
 # settings run for this many times --rounds
 METHODS = {"flow-grpo": "Flow-GRPO", "tp-grpo": "TP-GRPO"}

@@ -109,6 +109,43 @@ def test_soft_score_matches_a_fine_grid_of_thresholds():
             assert G.soft_score(meta, dets) == pytest.approx(grid, abs=5e-3)
 
 
+def test_top_n_scores_geneval_s_view_of_the_detections():
+    boxes = [(20 * k, 0, 20 * k + 10, 10) for k in range(4)]
+    # an extra cat costs nothing: GenEval judges the most confident one
+    j = G.judge(single(), [D("cat", b) for b in boxes[:3]])
+    assert (j.correct, j.score, j.top_n) == (True, -1.0, 1.0)
+    # two_object with an extra cat: Flow-GRPO (1 - |1 - 2| / 1 + 1) / 2 = 0.5; top_n 1.0
+    meta = {"tag": "two_object", "include": [{"class": "cat", "count": 1}, {"class": "dog", "count": 1}], "prompt": "p"}
+    j = G.judge(meta, [D("cat", boxes[0]), D("cat", boxes[1]), D("dog", boxes[2])])
+    assert (j.correct, j.score, j.top_n) == (True, 0.5, 1.0)
+    # an extra red car in blue: Flow-GRPO's count term 0 and its colour term 0; top_n sees the surer blue one
+    j = G.judge(colors("car", "blue"), [D("car", boxes[0], 0.99, "blue"), D("car", boxes[1], 0.8, "red")])
+    assert (j.correct, j.score, j.top_n) == (True, 0.0, 1.0)
+    # counting 3 with 4 found: the exclude clause's term is 0 -> (1 + 0) / 2
+    j = G.judge(counting(n=3), [D("apple", b) for b in boxes])
+    assert (j.correct, j.score, j.top_n) == (False, pytest.approx(2 / 3), 0.5)
+    # too few keeps partial credit: 2 of 3 apples, exclude satisfied -> (2/3 + 1) / 2
+    assert G.judge(counting(n=3), [D("apple", b) for b in boxes[:2]]).top_n == pytest.approx(5 / 6)
+
+
+def test_top_n_is_one_exactly_when_geneval_says_correct():
+    import random
+
+    rng = random.Random(1)
+    metas = [single("cat"), counting("cat", 2), colors("cat", "red", 2), position("left of", "cat", "dog"),
+             {"tag": "color_attr", "include": [{"class": "cat", "count": 1, "color": "red"},
+                                                {"class": "dog", "count": 1, "color": "blue"}], "prompt": "p"}]
+    seen = set()
+    for _ in range(400):
+        dets = [D(rng.choice(["cat", "dog"]), (x := rng.uniform(0, 90), 0, x + 10, 10), rng.uniform(0.1, 1.0),
+                  rng.choice(["red", "blue"])) for _ in range(rng.randint(0, 5))]
+        for meta in metas:
+            j = G.judge(meta, dets)
+            assert (j.top_n == 1.0) is j.correct, (meta, dets)
+            seen.add(j.correct)
+    assert seen == {True, False}
+
+
 def test_more_than_16_detections_keeps_the_16_most_confident():
     dets = [D("cat", (20 * k, 0, 20 * k + 10, 10), score=0.4 + 0.01 * k) for k in range(20)]
     j = G.judge(single(), dets)

@@ -166,6 +166,16 @@ def test_rewards_with_the_shapes_detector():
     with pytest.raises(RewardError, match="no option 'soft'"):  # the verdict has nothing to soften
         load_rewards({"geneval-strict": 1.0}, {"geneval-strict": {"detector": "shapes", "soft": True}})
 
+    # top_n = true: GenEval's view of the detections; 1.0 exactly where the verdict is right
+    top = load_rewards({"geneval": 1.0}, {"geneval": {"detector": "shapes", "top_n": True}})
+    assert score_images(top, images, [s.prompt for s in scenes], [s.metadata for s in scenes])["reward"] == [1.0] * 6
+    wrong_top = score_images(top, images, [m["prompt"] for m in wrong_meta], wrong_meta)["reward"]
+    assert [r == 1.0 for r in wrong_top] == [r == 1.0 for r in wrong["reward_geneval_strict"]]
+    with pytest.raises(RewardError, match="soft and top_n"):
+        load_rewards({"geneval": 1.0}, {"geneval": {"detector": "shapes", "soft": True, "top_n": True}})
+    with pytest.raises(RewardError, match="'top_n' must be true or false"):
+        load_rewards({"geneval": 1.0}, {"geneval": {"detector": "shapes", "top_n": 1}})
+
 
 def test_worker_processes_detect_the_same():
     """workers=2: the images go to two spawned processes, the detections come back unchanged and in order."""

@@ -58,6 +58,10 @@ A list of terms, averaged (0.0 when there are none); per include clause, in orde
 `soft` (the `geneval` reward's option `soft = true`; tpkit's, in neither reference) is that dense score
 averaged over the detection threshold of rule 1, uniform on [0.3, 1) for every tag (`soft_score`):
 continuous in each detection's confidence where the dense score is a ratio of small counts.
+`top_n` (option `top_n = true`; tpkit's, in neither reference) is that dense score on GenEval's view:
+each include clause sees only its class's n most confident detections (so an extra instance costs
+nothing, where Flow-GRPO's count term charges it and zeroes the clause's colour or position term),
+and each exclude clause adds a 0/1 term; 1.0 exactly when GenEval's verdict is correct.
 
 `strict` here is GenEval's own verdict (1.0 iff `correct`), the number GenEval reports. It is NOT
 Flow-GRPO's `strict_correct` (which demands exactly n instances and ignores exclude clauses).
@@ -153,6 +157,7 @@ class Judgement:
     strict: float  # 1.0 iff correct
     score: float  # Flow-GRPO's dense reward
     soft: float  # the dense reward averaged over detection thresholds (`soft_score`)
+    top_n: float  # the dense reward on GenEval's view of the detections (`_flow_grpo_score(top_n=True)`)
     reason: str  # GenEval's reasons for a failure, "; "-joined ("" when correct)
     detections: list = field(default_factory=list)  # kept detections (class, score, box, color), most confident first
 
@@ -278,13 +283,18 @@ def _geneval_verdict(meta: dict, objects: dict[str, list[dict]]) -> tuple[bool, 
     return correct, reason
 
 
-def _flow_grpo_score(meta: dict, objects: dict[str, list[dict]]) -> float:
-    """Flow-GRPO's `evaluate_reward` score (see the module docstring for its quirks)."""
+def _flow_grpo_score(meta: dict, objects: dict[str, list[dict]], top_n: bool = False) -> float:
+    """Flow-GRPO's `evaluate_reward` score (see the module docstring for its quirks).
+
+    top_n: each include clause judged on its class's n most confident detections, as GenEval's verdict
+    judges it (extra instances cost nothing), and one 0/1 term per exclude clause (how GenEval's
+    counting prompts refuse too many); the score is then 1.0 exactly when the verdict is correct.
+    """
     terms: list[float] = []
     groups: list = []
     for req in meta["include"]:
         name, n = req["class"], req["count"]
-        found = objects.get(name, [])  # all kept, not the top n
+        found = objects.get(name, [])[:n] if top_n else objects.get(name, [])  # Flow-GRPO: all kept
         matched = True
         terms.append(1 - abs(n - len(found)) / n)
         if len(found) != n:
@@ -313,6 +323,8 @@ def _flow_grpo_score(meta: dict, objects: dict[str, list[dict]]) -> float:
                             break
                     terms.append(1.0)  # unconditional, as in Flow-GRPO
         groups.append(found if matched else None)
+    if top_n:
+        terms += [float(len(objects.get(req["class"], [])) < req["count"]) for req in meta.get("exclude", [])]
     return sum(terms) / len(terms) if terms else 0.0
 
 
@@ -352,7 +364,8 @@ def judge(meta: dict, detections: Sequence[dict]) -> Judgement:
     public = [{"class": d["class"], "score": float(d["score"]), "box": [float(v) for v in d["box"][:4]],
                "color": d.get("color")} for d in kept]
     return Judgement(correct=correct, strict=1.0 if correct else 0.0, score=float(score),
-                     soft=soft_score(meta, detections), reason="; ".join(reason), detections=public)
+                     soft=soft_score(meta, detections), top_n=_flow_grpo_score(meta, objects, top_n=True),
+                     reason="; ".join(reason), detections=public)
 
 
 def colour_requests(meta: dict, detections: Sequence[dict]) -> list[dict]:
@@ -727,17 +740,23 @@ def geneval_reward(options: dict):
     Options: detector (default facebook/mask2former-swin-small-coco-instance), clip (default
     openai/clip-vit-large-patch14), batch_size (images per detector batch, default 16), workers
     (processes for detector=shapes, default 0: in the calling thread), soft (default false: true scores
-    `soft_score`, the dense score averaged over detection thresholds). Models load now, so a missing
+    `soft_score`, the dense score averaged over detection thresholds), top_n (default false: true scores
+    each clause on GenEval's top-n detections, see `_flow_grpo_score`). Models load now, so a missing
     one fails before any image is scored.
     """
-    soft = options.get("soft", False)
-    if not isinstance(soft, bool):
-        raise RewardError(f"reward 'geneval': option 'soft' must be true or false, got {soft!r}",
-                          "e.g. --reward-opt geneval.soft=true")
-    run = _judging_reward("geneval", options, {"soft": False})
+    for name in ("soft", "top_n"):
+        if not isinstance(options.get(name, False), bool):
+            raise RewardError(f"reward 'geneval': option {name!r} must be true or false, got {options[name]!r}",
+                              f"e.g. --reward-opt geneval.{name}=true")
+    soft, top_n = options.get("soft", False), options.get("top_n", False)
+    if soft and top_n:
+        raise RewardError("reward 'geneval': options soft and top_n are two different scores",
+                          "choose one of --reward-opt geneval.soft=true and geneval.top_n=true")
+    run = _judging_reward("geneval", options, {"soft": False, "top_n": False})
+    pick = "soft" if soft else "top_n" if top_n else "score"
 
     def score(images, prompts, metadata):
-        return [j.soft if soft else j.score for j in run(images, prompts, metadata)]
+        return [getattr(j, pick) for j in run(images, prompts, metadata)]
 
     return score
 
