@@ -350,7 +350,7 @@ def test_continue_extend_redo_and_refuse(e2e, tmp_path):
     assert files_under(run_dir, 0, 1) == before
     assert lines == e2e["rounds"]
     assert read_jsonl(run_dir / layout.ROUNDS_FILE) == e2e["rounds"]
-    #    So does a continuation with other options that only say how the stages run (config.RUN_ONLY).
+    #    So does a continuation with other options that only say how the stages run (layout.RUN_ONLY).
     how = ["score.reward_workers=0", "score.on_nan=drop", "train.checkpoint_every=1", "train.max_bad_steps=5"]
     assert run(load_recipe(recipe, how, out=str(run_dir))) == e2e["rounds"]
     assert files_under(run_dir, 0, 1) == before

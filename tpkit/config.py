@@ -449,22 +449,6 @@ def to_dict(cfg: Any) -> dict:
     return asdict(cfg)
 
 
-# Options that say how a stage runs, not what it writes (stage -> option names): left out of the
-# stage folder's identity, so a rerun with other values resumes the same folder, and free to change
-# when `tpkit run` continues a run (e.g. after a crash, on another machine). `on_nan`: a score file
-# written under `stop` is the same under `drop`, so a run stopped by a NaN reward resumes with drop.
-RUN_ONLY = {"score": ("reward_workers", "on_nan"),
-            "train": ("checkpoint_every", "max_bad_steps", "allow_no_op", "log_with")}
-# Reward options of that kind: `workers` spreads the shapes detector over processes, which find the
-# same objects (tests/test_shapes_detect.py). Not batch sizes: another batch shape may round differently.
-REWARD_RUN_ONLY = ("workers",)
-
-
-def result_reward_options(options: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Reward options (reward name -> its options) without REWARD_RUN_ONLY: what an identity holds."""
-    return {name: {k: v for k, v in o.items() if k not in REWARD_RUN_ONLY} for name, o in options.items()}
-
-
 def field_names(cls: type) -> list[str]:
     return [f.name for f in fields(cls)]
 

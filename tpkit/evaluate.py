@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from tpkit import layout
-from tpkit.config import EvalConfig, result_reward_options, to_dict
+from tpkit.config import EvalConfig, to_dict
 from tpkit.errors import ConfigError, InputError
 from tpkit.timing import Phases
 
@@ -148,8 +148,7 @@ def identity(cfg: EvalConfig) -> dict:
     bytes; GenEval's regenerated set when none) or judged image folder."""
     prompts = Path(cfg.prompts) if cfg.prompts else None
     # family: it follows from the model (as in rollout.identity), so folders from before families keep their id
-    options = dict(to_dict(cfg), reward_options=result_reward_options(cfg.reward_options))
-    return layout.stage_identity(f"eval-{cfg.kind}", options, leave_out=("prompts", "lora", "grid_prompts", "family"),
+    return layout.stage_identity(f"eval-{cfg.kind}", to_dict(cfg), leave_out=("prompts", "lora", "grid_prompts", "family"),
                                  inputs={
         "prompts_sha256": layout.file_digest(prompts) if prompts and prompts.is_file() else None,
         "lora_sha256": layout.tree_digest(cfg.lora, "--lora")})

@@ -203,6 +203,20 @@ def check_schema_version(version: Any, where: Path | str) -> None:
 
 # Options that say where or how a stage runs, not what it computes: never part of an identity.
 WHERE_OPTIONS = ("out", "rank", "world_size", "overwrite", "device")
+# ... and such options of one stage (stage -> option names); `tpkit run` lets a continued run change
+# them too (after a crash, on another machine). `on_nan`: a score file written under `stop` is the
+# same under `drop`, so a run stopped by a NaN reward resumes with drop.
+RUN_ONLY = {"score": ("reward_workers", "on_nan"),
+            "train": ("checkpoint_every", "max_bad_steps", "allow_no_op", "log_with")}
+# ... and reward options of that kind: `workers` spreads the shapes detector over processes, which
+# find the same objects (tests/test_shapes_detect.py). Not batch sizes: another batch shape may round
+# differently.
+REWARD_RUN_ONLY = ("workers",)
+
+
+def result_reward_options(options: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Reward options (reward name -> its options) without REWARD_RUN_ONLY: what an identity holds."""
+    return {name: {k: v for k, v in o.items() if k not in REWARD_RUN_ONLY} for name, o in options.items()}
 
 
 def file_digest(path: Path) -> str:
@@ -261,9 +275,12 @@ def json_ready(obj: Any) -> Any:
 def stage_identity(stage: str, config: dict, inputs: dict, leave_out: tuple[str, ...] = ()) -> dict:
     """What a stage folder holds: the stage, the options that change its output, and the identity of
     its inputs (ids and content digests, not paths: a moved input is the same input). `leave_out`:
-    config keys naming inputs (`inputs` stands for them) or not changing the output; `id` is a digest
-    of the rest."""
-    options = {k: v for k, v in config.items() if k not in WHERE_OPTIONS and k not in leave_out}
+    config keys naming inputs (`inputs` stands for them) or not changing the output (beyond WHERE_OPTIONS,
+    the stage's RUN_ONLY and REWARD_RUN_ONLY, left out always); `id` is a digest of the rest."""
+    options = {k: v for k, v in config.items()
+               if k not in WHERE_OPTIONS and k not in RUN_ONLY.get(stage, ()) and k not in leave_out}
+    if options.get("reward_options"):
+        options["reward_options"] = result_reward_options(options["reward_options"])
     body = {"stage": stage, "options": options, "inputs": inputs}
     return {**json_ready(body), "id": _digest(body)}
 

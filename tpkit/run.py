@@ -78,16 +78,16 @@ def prompt_digests(recipe: dict) -> dict[str, str | None]:
 
 def _fixed(recipe: dict, digests: dict | None = None) -> dict:
     """What defines a run: the recipe but for FREE_ON_CONTINUE and the stages' run-only options
-    (config.RUN_ONLY, REWARD_RUN_ONLY: a continued run may change them), its prompt files by their bytes where
+    (layout.RUN_ONLY, REWARD_RUN_ONLY: a continued run may change them), its prompt files by their bytes where
     known (`digests`, default: read now), so that a checkout moved elsewhere holds the same run."""
     fixed = {k: v for k, v in recipe.items() if k not in FREE_ON_CONTINUE}
     # nor what only says how a stage runs (as the stages' own identities leave it out)
-    for section, names in config.RUN_ONLY.items():
+    for section, names in layout.RUN_ONLY.items():
         if isinstance(fixed.get(section), dict):
             fixed[section] = {k: v for k, v in fixed[section].items() if k not in names}
     fixed["rewards"] = {name: _result_reward(w) for name, w in (fixed.get("rewards") or {}).items()}
     if isinstance(fixed.get("eval"), dict) and fixed["eval"].get("reward_options"):
-        fixed["eval"] = dict(fixed["eval"], reward_options=config.result_reward_options(fixed["eval"]["reward_options"]))
+        fixed["eval"] = dict(fixed["eval"], reward_options=layout.result_reward_options(fixed["eval"]["reward_options"]))
     for section, digest in (digests or prompt_digests(recipe)).items():
         if digest and (fixed.get(section) or {}).get("prompts"):
             fixed[section] = dict(fixed[section], prompts=f"sha256:{digest}")
@@ -99,7 +99,7 @@ def _result_reward(entry):
     table left with only its weight is that weight, as a recipe without options writes it."""
     if not isinstance(entry, dict):
         return entry
-    kept = {k: v for k, v in entry.items() if k not in config.REWARD_RUN_ONLY}
+    kept = {k: v for k, v in entry.items() if k not in layout.REWARD_RUN_ONLY}
     return kept["weight"] if set(kept) == {"weight"} else kept
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tpkit import formulas, layout
-from tpkit.config import RUN_ONLY, ScoreConfig, result_reward_options, to_dict
+from tpkit.config import ScoreConfig, to_dict
 from tpkit.errors import InputError, RewardError
 from tpkit.layout import PromptRecord, TrajectoryRecord
 from tpkit.rewards import Reward, load_rewards, score_images
@@ -233,10 +233,9 @@ def run(cfg: ScoreConfig, rewards: list[Reward] | None = None) -> dict | None:
 
 def identity(cfg: ScoreConfig, rollout: dict) -> dict:
     """What a score folder holds: these options applied to this rollout (its id and shard digests).
-    Not part of it: how it runs (config.RUN_ONLY: the reward threads, --on-nan; REWARD_RUN_ONLY: the
+    Not part of it: how it runs (layout.RUN_ONLY: the reward threads, --on-nan; REWARD_RUN_ONLY: the
     shapes detector's processes), so a rerun with other values resumes."""
-    options = dict(to_dict(cfg), reward_options=result_reward_options(cfg.reward_options))
-    return layout.stage_identity("score", options, leave_out=("rollout", *RUN_ONLY["score"]), inputs={
+    return layout.stage_identity("score", to_dict(cfg), leave_out=("rollout",), inputs={
         "rollout_id": rollout.get("rollout_id"), "shard_sha256": rollout.get("shard_sha256")})
 
 

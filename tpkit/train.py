@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from tpkit import formulas, layout, models, tracking
-from tpkit.config import RUN_ONLY, TrainConfig, lora_targets, to_dict
+from tpkit.config import TrainConfig, lora_targets, to_dict
 from tpkit.errors import InputError, TpkitError
 from tpkit.timing import Phases
 
@@ -93,15 +93,15 @@ def read_advantages(folder: Path) -> dict[tuple[str, int], float]:
 def identity(cfg: TrainConfig, rollout: dict, adv_files: list[Path]) -> dict:
     """What a train folder holds: these options applied to this rollout, these advantages (their bytes)
     and the adapter and state it continues (their contents). Options that only say when to save,
-    when to stop or where to log (checkpoint_every, max_bad_steps, allow_no_op, log_with) may change on a
-    resume."""
+    when to stop or where to log (layout.RUN_ONLY["train"]: checkpoint_every, max_bad_steps, allow_no_op,
+    log_with) are left out by stage_identity, so they may change on a resume."""
     state = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
     return layout.stage_identity("train", to_dict(cfg), inputs={
         "rollout_id": rollout.get("rollout_id"),
         "advantages_sha256": layout.digests(adv_files),
         "init_lora_sha256": layout.tree_digest(policy_adapter(cfg.init_lora)) if cfg.init_lora else None,
         "init_state_sha256": layout.tree_digest(state) if state and state.is_dir() else None},
-        leave_out=("rollout", "advantages", "init_lora", *RUN_ONLY["train"]))
+        leave_out=("rollout", "advantages", "init_lora"))
 
 
 def check_advantages_belong(rollout: dict, rollout_dir: Path, advantages: Path, adv_files: list[Path]) -> dict:
