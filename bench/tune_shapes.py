@@ -81,6 +81,15 @@ SETTINGS = {  # name -> --set overrides of the recipe (its own values: one optim
     # counting's exclude clause): Flow-GRPO's charges every extra shape, and held-out images mostly fail
     # by drawing too few
     "top-n": ["rewards.geneval.top_n=true"],
+    # Adam's first steps are sign steps: every LoRA coordinate moves by the learning rate, whatever its
+    # gradient (nonzero |g| spans 3e-8 .. 1.3e-5 in round 0, median 4e-7), so the many near-zero, noisy
+    # coordinates move as far as the few with signal. A larger epsilon weights the step by |g| (SGD-like
+    # below eps); the rate is set so the first step is as long (L2) as the recipe's sign step.
+    "eps1e-6": ["train.adam_epsilon=1e-6", "train.learning_rate=6.5e-3"],
+    "eps1e-5": ["train.adam_epsilon=1e-5", "train.learning_rate=1.85e-2"],
+    # Is the flattening after ~6 Adam steps a ceiling of what this model can learn, or of the step? Half
+    # the step for twice the rounds, with the reward that moved two_object (run with --rounds 12)
+    "top-n-lr1.5e-3": ["rewards.geneval.top_n=true", "train.learning_rate=1.5e-3"],
 }
 # settings run for this many times --rounds
 METHODS = {"flow-grpo": "Flow-GRPO", "tp-grpo": "TP-GRPO"}
