@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tpkit import layout
 from tpkit.config import load_recipe
@@ -34,6 +35,15 @@ def test_one_round_of_the_main_job(tmp_path):
     rewards = np.asarray(scores["reward"].to_pylist())
     assert np.isfinite(rewards).all() and rewards.max() <= 1
     assert rewards.max() > 0 and rewards.std() > 0
+    # R_K per GenEval task (the round's mix of tasks varies): recomputed from the scores and the prompt file
+    tags = {p.prompt_id: p.metadata["tag"] for p in layout.load_prompts(Path(recipe.rollout.prompts))}
+    last = max(scores["branch"].to_pylist())
+    by_task: dict = {}
+    for pid, b, r in zip(scores["prompt_id"].to_pylist(), scores["branch"].to_pylist(), rewards):
+        if b == last:
+            by_task.setdefault(tags[pid], []).append(r)
+    assert line["reward_by_task"] == pytest.approx({t: np.mean(v) for t, v in by_task.items()}, abs=1e-3)
+    assert sum(len(v) for v in by_task.values()) == line["n"]
     # the run evaluated the base model once, then the round's adapter, on the held-out prompts
     base = run.base_eval(tmp_path / "run")
     assert base is not None and 0 <= base["geneval_overall"] <= 1
@@ -57,7 +67,10 @@ def test_one_round_of_the_main_job(tmp_path):
     assert report.image_rows([before, after]).shape[:2] == (2 * (128 + 3 * 12 + 4), report.GRID_IMAGES * 128)
     train = json.loads((tmp_path / "run" / "round-0000" / "train" / layout.MANIFEST).read_text())
     assert train["counts"]["optimizer_steps"] >= 1
-    assert (tmp_path / "run" / "report.png").is_file()
+    from PIL import Image
+
+    # GenEval-style prompts: report.png has the per-task row (train reward, held-out accuracy per task)
+    assert Image.open(tmp_path / "run" / "report.png").size == (12 * 90, round((11 + 3.2) * 90))
 
 
 def _eval_folder(folder: Path, correct: list[int]) -> None:

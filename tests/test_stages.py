@@ -223,6 +223,7 @@ def test_manifest_counts_match_cost_formula(manifests):
     assert sc["per_trajectory"] == {"transformer_calls": 45, "transformer_calls_with_rollout": 55, "decodes": 10,
                                     "decodes_in_score": 9, "reward_calls": 10}
     assert adv["counts"]["rows"] == 72 and adv["counts"]["trajectories"] == N
+    assert sc["reward_by_task"] is None  # plain-text prompts have no GenEval task
     # every manifest: seconds per phase (summed over the shards), the model phases above zero
     for stage, phases in (("rollout", {"encode", "sample", "decode", "write"}),
                           ("score", {"read", "transformer", "decode", "reward_wait", "write"}),
@@ -467,3 +468,24 @@ def test_cpu_allocator_tuning_is_applied_unless_the_user_chose(env, expected):
     out = subprocess.run([sys.executable, "-c", "from tpkit import runtime; print(runtime.tune_cpu_allocator(), runtime.tune_cpu_allocator())"],
                          env={**base, **env}, capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(expected)] * 2
+
+
+def test_task_rewards_by_hand():
+    from tpkit.score import mean_by_task, task_rewards
+
+    def rec(tag):
+        return layout.PromptRecord("p", "text", {"prompt": "text", **({"tag": tag} if tag else {})}, {})
+
+    prompts = {"p0": rec("counting"), "p1": rec("colors"), "p2": rec(None)}
+    rows = [  # R_K is each trajectory's last branch, whatever the row order
+        {"trajectory_id": "a", "prompt_id": "p0", "branch": 9, "reward": 0.5},
+        {"trajectory_id": "a", "prompt_id": "p0", "branch": 0, "reward": 0.9},
+        {"trajectory_id": "b", "prompt_id": "p0", "branch": 0, "reward": 0.2},
+        {"trajectory_id": "b", "prompt_id": "p0", "branch": 9, "reward": 1.0},
+        {"trajectory_id": "c", "prompt_id": "p1", "branch": 9, "reward": 0.25},
+        {"trajectory_id": "d", "prompt_id": "p2", "branch": 9, "reward": 0.0},  # no tag: not counted
+    ]
+    stats = task_rewards(rows, prompts)
+    assert stats == {"task_reward_sum": {"counting": 1.5, "colors": 0.25}, "task_trajectories": {"counting": 2, "colors": 1}}
+    assert mean_by_task(stats) == {"colors": 0.25, "counting": 0.75}
+    assert task_rewards(rows, {"p2": rec(None)}) == {} and mean_by_task({}) is None

@@ -1,6 +1,7 @@
 """report.png of a run: reward per round (and held-out evaluation, when the recipe has one),
-turning-point rate per step, reward along the trajectory (mean R_k per branch), and final images
-of the first and the latest round."""
+turning-point rate per step, reward along the trajectory (mean R_k per branch), per GenEval task
+(GenEval-style prompts) the train reward and held-out accuracy per round, and final images of the
+first and the latest round."""
 
 from __future__ import annotations
 
@@ -91,6 +92,30 @@ def eval_key(summary: dict) -> str:
     return "geneval_overall" if "geneval_overall" in summary else next(iter(summary))
 
 
+def _per_task(ax, run_dir: Path, lines: list[dict], tasks: list[str]) -> None:
+    """GenEval-style prompts: train reward R_K per task per round (a round draws its prompts at
+    random, so the overall mean moves with the mix of tasks too), and held-out accuracy per task."""
+    a = ax[0]
+    for t in tasks:
+        a.plot([x["round"] for x in lines], [(x.get("reward_by_task") or {}).get(t, np.nan) for x in lines], "o-",
+               ms=3, label=t)
+    a.set(title="final reward R_K per round, per GenEval task", xlabel="round", ylabel="reward")
+    if any(x.get("reward_by_task") for x in lines):
+        a.legend(fontsize="small", ncol=2)
+    a = ax[1]
+    from tpkit.run import base_eval
+
+    evals = [(x["round"], x["eval"]) for x in lines if x.get("eval")]
+    if (base := base_eval(run_dir)) is not None:
+        evals.insert(0, (-1, base))
+    keys = [t for t in tasks if any(f"geneval_{t}" in e for _, e in evals)]
+    for t in keys:
+        a.plot([r for r, _ in evals], [e.get(f"geneval_{t}", np.nan) for _, e in evals], "s--", ms=4, label=t)
+    a.set(title="held-out accuracy per GenEval task (round -1: base model)", xlabel="round", ylabel="accuracy")
+    if keys:
+        a.legend(fontsize="small", ncol=2)
+
+
 def write(run_dir: Path, lines: list[dict]) -> Path:
     import matplotlib
 
@@ -101,13 +126,16 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
     if not lines:
         return run_dir / REPORT
     first, last = lines[0]["round"], lines[-1]["round"]
-    fig = plt.figure(figsize=(12, 11))
+    tasks = sorted({t for x in lines for t in (x.get("reward_by_task") or {})}
+                   | {k.removeprefix("geneval_") for x in lines for k in (x.get("eval") or {})
+                      if k.startswith("geneval_") and k not in ("geneval_overall", "geneval_overall_se")})
+    rows = 4 if tasks else 3
+    fig = plt.figure(figsize=(12, 11 + 3.2 * (rows - 3)))
     # Fixed margins instead of tight_layout, which draws the figure twice (0.6 s of 2 s a round).
-    grid = fig.add_gridspec(3, 2, height_ratios=[1, 1, 0.8], left=0.07, right=0.98, top=0.93, bottom=0.02,
-                            hspace=0.32, wspace=0.3)
-    ax = np.array([[fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])],
-                   [fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])]])
-    ax_images = fig.add_subplot(grid[2, :])
+    grid = fig.add_gridspec(rows, 2, height_ratios=[1] * (rows - 1) + [0.8], left=0.07, right=0.98, top=0.95,
+                            bottom=0.02, hspace=0.35, wspace=0.3)
+    ax = np.array([[fig.add_subplot(grid[i, 0]), fig.add_subplot(grid[i, 1])] for i in range(rows - 1)])
+    ax_images = fig.add_subplot(grid[rows - 1, :])
 
     # Reward per round: mean ± std (bars) and ± standard error (shaded).
     rounds = [x["round"] for x in lines]
@@ -158,7 +186,9 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
     a.plot(rounds, [x["turning_points_kept"] for x in lines], "s--", label="kept after balancing")
     a.set(title="turning points per round", xlabel="round", ylabel="count")
     a.legend()
-    for a in (ax[0, 0], ax[1, 1]):  # rounds are whole numbers
+    if tasks:
+        _per_task(ax[2], run_dir, lines, tasks)
+    for a in (ax[0, 0], ax[1, 1], *(ax[2] if tasks else ())):  # rounds are whole numbers
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
 
     # Images: with a held-out evaluation, the base model's against the latest evaluated adapter's (same

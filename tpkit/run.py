@@ -264,6 +264,7 @@ def round_summary(run_dir: Path, r: int, seconds: dict) -> dict:
     return {
         "round": r, "reward_mean": summ["final_reward_mean"], "reward_std": summ["final_reward_std"], "n": n,
         "reward_stderr": summ["final_reward_std"] / max(n - 1, 1) ** 0.5,
+        "reward_by_task": m["score"].get("reward_by_task"),  # GenEval-style prompts: the round's mix of tasks varies
         "turning_point_rate": summ["turning_point_rate"], "turning_points": summ["turning_points"],
         "turning_points_kept": summ["turning_points_kept"],
         "tp_rate_per_step": [s["rate"] for s in summ["per_step"]],
@@ -313,7 +314,8 @@ def log_round(tracker: tracking.Tracker, recipe: Recipe, run_dir: Path, line: di
               "turning_points/kept": line["turning_points_kept"], "calls/transformer": line["transformer_calls"],
               "calls/decodes": line["decodes"], "calls/reward": line["reward_calls"],
               **{f"seconds/{k}": v for k, v in line["seconds"].items()},
-              **{f"turning_points/rate_step_{k}": v for k, v in enumerate(line["tp_rate_per_step"])}}
+              **{f"turning_points/rate_step_{k}": v for k, v in enumerate(line["tp_rate_per_step"])},
+              **{f"reward/task/{t}": v for t, v in (line.get("reward_by_task") or {}).items()}}
     tracker.scalars(values, step)
     if line["eval"] is not None:
         log_eval(tracker, eval_dir(run_dir, r), "eval", step)

@@ -198,6 +198,34 @@ def rows_for_shard(trajs: list[TrajectoryRecord], results: dict, branches: str) 
     return rows
 
 
+def task_rewards(rows: list[dict], prompts: dict) -> dict[str, dict[str, float]]:
+    """Sum and count of the final reward R_K per GenEval task (the prompt metadata's "tag"), for the
+    shard's stats sidecar; {} when no prompt has a tag.
+
+    Why: a round draws its prompts at random, so its tasks' mix changes from round to round, and on a
+    GenEval-style prompt file the mean R_K moves with the mix (tiny-shapes: 8 to 40 of 128 trajectories
+    of one task a round) as much as with learning. Per task, the rounds compare.
+    rows: one shard's score rows (`rows_for_shard`); prompts: prompt_id -> PromptRecord.
+    """
+    final = {}
+    for r in rows:  # the last branch k of each trajectory is R_K (the only one when branches = "final")
+        if r["trajectory_id"] not in final or r["branch"] > final[r["trajectory_id"]]["branch"]:
+            final[r["trajectory_id"]] = r
+    sums, counts = {}, {}
+    for r in final.values():
+        tag = prompts[r["prompt_id"]].metadata.get("tag") if r["prompt_id"] in prompts else None
+        if isinstance(tag, str):
+            sums[tag] = sums.get(tag, 0.0) + float(r["reward"])
+            counts[tag] = counts.get(tag, 0) + 1
+    return {"task_reward_sum": sums, "task_trajectories": counts} if counts else {}
+
+
+def mean_by_task(stats: dict) -> dict[str, float] | None:
+    """Mean R_K per task from summed stats (`task_rewards` of every shard), None without tags."""
+    n = stats.get("task_trajectories")
+    return {t: round(stats["task_reward_sum"][t] / n[t], 4) for t in sorted(n)} if n else None
+
+
 def check_finite(rows: list[dict], shard: Path, on_nan: str) -> tuple[list[dict], list[str]]:
     """Rows of trajectories whose every reward is finite, and the ids dropped (on_nan = drop);
     on_nan = stop raises instead, naming them (nothing is written for the shard)."""
@@ -286,7 +314,7 @@ def _run(cfg: ScoreConfig, rewards: list[Reward], rollout: dict, shards: list[Pa
                                         **{k: v - counts_before[k] for k, v in vars(scorer.counters).items()}},
                              "seconds": {k: scorer.phases.seconds.get(k, 0.0) - seconds_before.get(k, 0.0)
                                          for k in PHASES},
-                             "dropped_trajectories": dropped}
+                             "dropped_trajectories": dropped, **task_rewards(rows, prompts)}
                     layout.write_output(target(shard), data, stats)
         finally:
             scorer.close()
@@ -306,6 +334,7 @@ def _run(cfg: ScoreConfig, rewards: list[Reward], rollout: dict, shards: list[Pa
         counts=stats.get("counts", {}), seconds=stats.get("seconds", {}),
         per_trajectory=per_trajectory_cost(stats.get("counts", {}), rollout["counts"]),
         reward_columns=["reward"] + [r.column for r in rewards], files=[f.name for f in files],
+        reward_by_task=mean_by_task(stats),
         dropped_trajectories=sorted(t for f in files for t in _sidecar(f).get("dropped_trajectories", [])),
     )
 

@@ -29,6 +29,7 @@ def manifest_summary(manifest: dict) -> None:
     """Counts and seconds per phase of any stage, in one table."""
     rows = dict(manifest.get("counts", {}))
     rows.update({f"per trajectory: {k}": f"{v:.4g}" for k, v in manifest.get("per_trajectory", {}).items()})
+    rows.update({f"mean R_K: {k}": f"{v:.4g}" for k, v in (manifest.get("reward_by_task") or {}).items()})
     rows.update({f"seconds: {k}": f"{v:.2f}" for k, v in manifest.get("seconds", {}).items()})
     console.print(_kv_table(f"{manifest['stage']} summary", rows))
 
