@@ -99,3 +99,15 @@ def test_heldout_verdict_by_hand(tmp_path):
     assert "noise" not in heldout_verdict(dict(c, delta=1.0, delta_se=0.0))
     assert "worse than the base" in heldout_verdict(dict(c, delta=-1.0, delta_se=0.0))
     assert run.heldout_change(tmp_path, lines[:2]) is None  # no evaluated round yet
+
+
+def test_task_rows_by_hand():
+    from tpkit.show import task_rows
+
+    lines = [{"round": 0, "reward_by_task": {"colors": 0.5, "counting": 0.25}, "eval": None},
+             {"round": 1, "reward_by_task": {"colors": 0.75}, "eval": {"geneval_overall": 0.5, "geneval_overall_se": 0.1,
+                                                                       "geneval_colors": 0.9, "geneval_position": 0.1}}]
+    base = {"geneval_overall": 0.4, "geneval_colors": 0.8, "geneval_position": 0.0}
+    assert task_rows(lines, base) == [("colors", 0.5, 0.75, 0.8, 0.9), ("counting", 0.25, None, None, None),
+                                      ("position", None, None, 0.0, 0.1)]
+    assert task_rows([{"round": 0, "reward_by_task": None, "eval": {"pickscore": 0.2}}], None) == []  # no GenEval task

@@ -92,6 +92,15 @@ def eval_key(summary: dict) -> str:
     return "geneval_overall" if "geneval_overall" in summary else next(iter(summary))
 
 
+def geneval_tasks(lines: list[dict], base: dict | None = None) -> list[str]:
+    """The GenEval tasks that rounds.jsonl lines (and the base model's evaluation) report on: train
+    reward per task (`reward_by_task`) or held-out accuracy per task (`geneval_<task>`)."""
+    evals = [x.get("eval") or {} for x in lines] + [base or {}]
+    return sorted({t for x in lines for t in (x.get("reward_by_task") or {})}
+                  | {k.removeprefix("geneval_") for e in evals for k in e
+                     if k.startswith("geneval_") and k not in ("geneval_overall", "geneval_overall_se")})
+
+
 def _per_task(ax, run_dir: Path, lines: list[dict], tasks: list[str]) -> None:
     """GenEval-style prompts: train reward R_K per task per round (a round draws its prompts at
     random, so the overall mean moves with the mix of tasks too), and held-out accuracy per task."""
@@ -126,9 +135,7 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
     if not lines:
         return run_dir / REPORT
     first, last = lines[0]["round"], lines[-1]["round"]
-    tasks = sorted({t for x in lines for t in (x.get("reward_by_task") or {})}
-                   | {k.removeprefix("geneval_") for x in lines for k in (x.get("eval") or {})
-                      if k.startswith("geneval_") and k not in ("geneval_overall", "geneval_overall_se")})
+    tasks = geneval_tasks(lines)
     rows = 4 if tasks else 3
     fig = plt.figure(figsize=(12, 11 + 3.2 * (rows - 3)))
     # Fixed margins instead of tight_layout, which draws the figure twice (0.6 s of 2 s a round).

@@ -151,8 +151,29 @@ def rounds_view(lines: list[dict], base_eval: dict | None = None, change: dict |
                   str(x["n"]), f"{x['turning_point_rate']:.1%}", str(x["transformer_calls"]),
                   f"{sum(x['seconds'].values()):.1f}", *([_fmt((x.get("eval") or {}).get(key))] if key else []))
     console.print(t)
+    if rows := task_rows(lines, base_eval):
+        t = Table(title="per GenEval task (a round's mix of tasks varies: compare per task)", title_justify="left")
+        held = [x["round"] for x in lines if x.get("eval")]
+        for c in ("task", f"R_K, round {lines[0]['round']}", f"R_K, round {lines[-1]['round']}",
+                  "held-out, base", f"held-out, round {held[-1]}" if held else "held-out"):
+            t.add_column(c, justify="right")
+        for row in rows:
+            t.add_row(row[0], *map(_fmt, row[1:]))
+        console.print(t)
     if change:
         console.print(heldout_verdict(change))
+
+
+def task_rows(lines: list[dict], base_eval: dict | None) -> list[tuple]:
+    """(task, train R_K in the first and last round, held-out accuracy of the base model and of the
+    last evaluated round) for GenEval-style runs; None where a round had no prompt of the task."""
+    from tpkit.report import geneval_tasks
+
+    first, last = lines[0].get("reward_by_task") or {}, lines[-1].get("reward_by_task") or {}
+    evals = [x["eval"] for x in lines if x.get("eval")]
+    held = evals[-1] if evals else {}
+    return [(t, first.get(t), last.get(t), (base_eval or {}).get(f"geneval_{t}"), held.get(f"geneval_{t}"))
+            for t in geneval_tasks(lines, base_eval)]
 
 
 def heldout_verdict(c: dict) -> str:
