@@ -139,8 +139,8 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
     rows = 4 if tasks else 3
     fig = plt.figure(figsize=(12, 11 + 3.2 * (rows - 3)))
     # Fixed margins instead of tight_layout, which draws the figure twice (0.6 s of 2 s a round).
-    grid = fig.add_gridspec(rows, 2, height_ratios=[1] * (rows - 1) + [0.8], left=0.07, right=0.98, top=0.95,
-                            bottom=0.02, hspace=0.35, wspace=0.3)
+    grid = fig.add_gridspec(rows, 2, height_ratios=[1] * (rows - 1) + [0.8], left=0.07, right=0.98,
+                            top=0.93 if rows == 3 else 0.95, bottom=0.02, hspace=0.32 if rows == 3 else 0.35, wspace=0.3)
     ax = np.array([[fig.add_subplot(grid[i, 0]), fig.add_subplot(grid[i, 1])] for i in range(rows - 1)])
     ax_images = fig.add_subplot(grid[rows - 1, :])
 
