@@ -101,9 +101,10 @@ def geneval_tasks(lines: list[dict], base: dict | None = None) -> list[str]:
                      if k.startswith("geneval_") and k not in ("geneval_overall", "geneval_overall_se")})
 
 
-def _per_task(ax, run_dir: Path, lines: list[dict], tasks: list[str]) -> None:
+def _per_task(ax, lines: list[dict], tasks: list[str], held_out: list[tuple[int, dict]]) -> None:
     """GenEval-style prompts: train reward R_K per task per round (a round draws its prompts at
-    random, so the overall mean moves with the mix of tasks too), and held-out accuracy per task."""
+    random, so the overall mean moves with the mix of tasks too), and held-out accuracy per task
+    (`held_out`: (round, evaluation summary), the base model at round -1)."""
     a = ax[0]
     for t in tasks:
         a.plot([x["round"] for x in lines], [(x.get("reward_by_task") or {}).get(t, np.nan) for x in lines], "o-",
@@ -112,14 +113,9 @@ def _per_task(ax, run_dir: Path, lines: list[dict], tasks: list[str]) -> None:
     if any(x.get("reward_by_task") for x in lines):
         a.legend(fontsize="small", ncol=2)
     a = ax[1]
-    from tpkit.run import base_eval
-
-    evals = [(x["round"], x["eval"]) for x in lines if x.get("eval")]
-    if (base := base_eval(run_dir)) is not None:
-        evals.insert(0, (-1, base))
-    keys = [t for t in tasks if any(f"geneval_{t}" in e for _, e in evals)]
+    keys = [t for t in tasks if any(f"geneval_{t}" in e for _, e in held_out)]
     for t in keys:
-        a.plot([r for r, _ in evals], [e.get(f"geneval_{t}", np.nan) for _, e in evals], "s--", ms=4, label=t)
+        a.plot([r for r, _ in held_out], [e.get(f"geneval_{t}", np.nan) for _, e in held_out], "s--", ms=4, label=t)
     a.set(title="held-out accuracy per GenEval task (round -1: base model)", xlabel="round", ylabel="accuracy")
     if keys:
         a.legend(fontsize="small", ncol=2)
@@ -153,16 +149,16 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
     a.errorbar(rounds, mean, yerr=std, fmt="o-", capsize=3, label="mean ± std")
     a.fill_between(rounds, mean - se, mean + se, alpha=0.3, label="± s.e.")
     a.set(title="final reward R_K per round", xlabel="round", ylabel="reward")
-    evals = [(x["round"], x["eval"]) for x in lines if x.get("eval")]
-    if evals:  # held-out evaluation (eval_every): GenEval overall accuracy, else the first reward's mean
-        from tpkit.run import base_eval
+    from tpkit.run import base_eval
 
+    evals = [(x["round"], x["eval"]) for x in lines if x.get("eval")]
+    base = base_eval(run_dir)  # the starting model, drawn at round -1
+    held_out = ([(-1, base)] if base else []) + evals
+    if evals:  # held-out evaluation (eval_every): GenEval overall accuracy, else the first reward's mean
         key = eval_key(evals[0][1])
-        if base := base_eval(run_dir):  # the starting model, drawn at round -1
-            evals.insert(0, (-1, base))
         b = a.twinx()
-        half = [1.96 * e[f"{key}_se"] if np.isfinite(e.get(f"{key}_se", np.nan)) else 0.0 for _, e in evals]
-        b.errorbar([r for r, _ in evals], [e.get(key) for _, e in evals], yerr=half, fmt="s--", capsize=3,
+        half = [1.96 * e[f"{key}_se"] if np.isfinite(e.get(f"{key}_se", np.nan)) else 0.0 for _, e in held_out]
+        b.errorbar([r for r, _ in held_out], [e.get(key) for _, e in held_out], yerr=half, fmt="s--", capsize=3,
                    color="tab:red", label=f"held-out {key} (95 % over prompts)")
         b.set_ylabel(f"held-out {key}", color="tab:red")
         b.legend(loc="lower right")
@@ -194,7 +190,7 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
     a.set(title="turning points per round", xlabel="round", ylabel="count")
     a.legend()
     if tasks:
-        _per_task(ax[2], run_dir, lines, tasks)
+        _per_task(ax[2], lines, tasks, held_out)
     for a in (ax[0, 0], ax[1, 1], *(ax[2] if tasks else ())):  # rounds are whole numbers
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
 
