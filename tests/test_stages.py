@@ -487,5 +487,12 @@ def test_task_rewards_by_hand():
     ]
     stats = task_rewards(rows, prompts)
     assert stats == {"task_reward_sum": {"counting": 1.5, "colors": 0.25}, "task_trajectories": {"counting": 2, "colors": 1}}
-    assert mean_by_task(stats) == {"colors": 0.25, "counting": 0.75}
-    assert task_rewards(rows, {"p2": rec(None)}) == {} and mean_by_task({}) is None
+    assert mean_by_task([stats]) == {"colors": 0.25, "counting": 0.75}
+    # over shards: summed before dividing (not a mean of means)
+    other = {"task_reward_sum": {"counting": 0.0}, "task_trajectories": {"counting": 2}}
+    assert mean_by_task([stats, other]) == {"colors": 0.25, "counting": 0.375}
+    # no tagged prompt: nothing to report; a shard scored without the sums (an older tpkit, resumed): nothing either
+    untagged = task_rewards(rows, {"p2": rec(None)})
+    assert untagged == {"task_reward_sum": {}, "task_trajectories": {}} and mean_by_task([untagged]) is None
+    assert mean_by_task([stats, untagged]) == mean_by_task([stats])
+    assert mean_by_task([stats, {"counts": {"trajectories": 4}}]) is None and mean_by_task([]) is None

@@ -200,7 +200,8 @@ def rows_for_shard(trajs: list[TrajectoryRecord], results: dict, branches: str) 
 
 def task_rewards(rows: list[dict], prompts: dict) -> dict[str, dict[str, float]]:
     """Sum and count of the final reward R_K per GenEval task (the prompt metadata's "tag"), for the
-    shard's stats sidecar; {} when no prompt has a tag.
+    shard's stats sidecar (empty when no prompt has a tag; present, so `mean_by_task` knows the shard
+    was summed).
 
     Why: a round draws its prompts at random, so its tasks' mix changes from round to round, and on a
     GenEval-style prompt file the mean R_K moves with the mix (tiny-shapes: 8 to 40 of 128 trajectories
@@ -217,13 +218,21 @@ def task_rewards(rows: list[dict], prompts: dict) -> dict[str, dict[str, float]]
         if isinstance(tag, str):
             sums[tag] = sums.get(tag, 0.0) + float(r["reward"])
             counts[tag] = counts.get(tag, 0) + 1
-    return {"task_reward_sum": sums, "task_trajectories": counts} if counts else {}
+    return {"task_reward_sum": sums, "task_trajectories": counts}
 
 
-def mean_by_task(stats: dict) -> dict[str, float] | None:
-    """Mean R_K per task from summed stats (`task_rewards` of every shard), None without tags."""
-    n = stats.get("task_trajectories")
-    return {t: round(stats["task_reward_sum"][t] / n[t], 4) for t in sorted(n)} if n else None
+def mean_by_task(sidecars: list[dict]) -> dict[str, float] | None:
+    """Mean R_K per task over the shards' stats sidecars (`task_rewards` of each). None without tags,
+    and None if a shard was scored by a tpkit that did not sum them (a resumed stage): a mean over
+    some shards only would be mislabelled as the round's."""
+    if not sidecars or not all("task_trajectories" in s for s in sidecars):
+        return None
+    sums, counts = {}, {}
+    for s in sidecars:
+        for t, n in s["task_trajectories"].items():
+            counts[t] = counts.get(t, 0) + n
+            sums[t] = sums.get(t, 0.0) + s["task_reward_sum"][t]
+    return {t: round(sums[t] / counts[t], 4) for t in sorted(counts)} or None
 
 
 def check_finite(rows: list[dict], shard: Path, on_nan: str) -> tuple[list[dict], list[str]]:
@@ -323,7 +332,7 @@ def _run(cfg: ScoreConfig, rewards: list[Reward], rollout: dict, shards: list[Pa
     if not all(target(s).is_file() for s in shards):
         return None
     files = [target(s) for s in shards]
-    stats = layout.sum_stats(files)
+    stats, sidecars = layout.sum_stats(files), [_sidecar(f) for f in files]
     if not stats.get("counts", {}).get("trajectories"):
         dropped = stats.get("counts", {}).get("dropped_nan", 0)
         raise RewardError(f"every trajectory's reward is NaN or infinite ({dropped} dropped): nothing to score",
@@ -334,8 +343,8 @@ def _run(cfg: ScoreConfig, rewards: list[Reward], rollout: dict, shards: list[Pa
         counts=stats.get("counts", {}), seconds=stats.get("seconds", {}),
         per_trajectory=per_trajectory_cost(stats.get("counts", {}), rollout["counts"]),
         reward_columns=["reward"] + [r.column for r in rewards], files=[f.name for f in files],
-        reward_by_task=mean_by_task(stats),
-        dropped_trajectories=sorted(t for f in files for t in _sidecar(f).get("dropped_trajectories", [])),
+        reward_by_task=mean_by_task(sidecars),
+        dropped_trajectories=sorted(t for s in sidecars for t in s.get("dropped_trajectories", [])),
     )
 
 
