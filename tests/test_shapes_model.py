@@ -141,3 +141,30 @@ def test_flow_learning_rate_warms_up_holds_then_cools_down_to_zero():
     assert all(v == 1e-3 for v in lr[100:801])  # stable until the last 200 steps
     assert lr[800] > lr[801] > lr[999] > 0 and abs(lr[999] - 1e-3 / 200) < 1e-12  # linear to 0
     assert sm.flow_lr(dataclasses.replace(r, cooldown=0.0), 999) == 1e-3
+
+
+def test_task_weights_set_the_flow_data_mix():
+    from tpkit import shapes
+
+    only = tuple(1.0 if t == "counting" else 0.0 for t in shapes.TAGS)
+    scenes = sm.random_scenes(np.random.default_rng(0), 40, only)
+    assert {s.metadata["tag"] for s in scenes} == {"counting"}
+    w = tuple(3.0 if t == "position" else 1.0 for t in shapes.TAGS)  # position 3/8 of the scenes
+    tags = [s.metadata["tag"] for s in sm.random_scenes(np.random.default_rng(1), 800, w)]
+    assert abs(tags.count("position") / 800 - 3 / 8) < 0.06 and set(tags) == set(shapes.TAGS)
+    # no weights: the uniform draw the shipped weights were trained with, scene for scene
+    a = sm.random_scenes(np.random.default_rng(2), 5)
+    b = [shapes.sample_scene(np.random.default_rng(2), size=sm.RESOLUTION)]
+    assert a[0].prompt == b[0].prompt and a[0].objects == b[0].objects
+
+
+@pytest.mark.parametrize("arg, says", [("counting=x", "TAG=W"), ("count=1", "TAG=W"), ("counting=-1", "TAG=W"),
+                                       ("counting=nan", "TAG=W")])
+def test_pretrain_shapes_refuses_a_bad_task_weight(tmp_path, capsys, arg, says):
+    from tpkit import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["pretrain-shapes", "--out", str(tmp_path / "p"), "--task-weight", arg])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and says in err and "counting=1.5" in err and "Traceback" not in err
+    assert not (tmp_path / "p").exists()

@@ -462,13 +462,30 @@ def pretrain_shapes(
     out: Path = typer.Option(..., "--out", help="Run folder: state.pt, data/, snapshots/, pipeline/ (the model)."),
     max_minutes: Optional[float] = typer.Option(None, help="Stop (checkpointed) after this many minutes; rerun to continue."),
     flow_steps: Optional[int] = typer.Option(None, help="Transformer steps (default: the recipe's)."),
+    task_weight: List[str] = typer.Option([], help="TAG=W: relative share of a GenEval task's scenes in the "
+                                          "flow data (repeatable; unnamed tasks weigh 1; default: the recipe's)."),
 ) -> None:
     """Pretrain the `tiny-shapes` model from scratch (fixed seed; resumable: rerun the same command)."""
-    from tpkit import shapes_model
+    from tpkit import shapes, shapes_model
 
     recipe = shapes_model.Recipe()
     if flow_steps is not None:
         recipe.flow_steps = flow_steps
+    if task_weight:
+        weights = dict(zip(shapes.TAGS, recipe.task_weights or [1.0] * len(shapes.TAGS)))
+        for item in task_weight:
+            tag, _, w = item.partition("=")
+            try:
+                w = float(w)
+            except ValueError:
+                w = -1.0
+            if tag not in weights or not 0 <= w < float("inf"):
+                raise InputError(f"--task-weight {item!r} is not TAG=W with a finite weight >= 0",
+                                 f"TAG is one of {', '.join(shapes.TAGS)}, e.g. --task-weight counting=1.5")
+            weights[tag] = w
+        if sum(weights.values()) <= 0:
+            raise InputError("--task-weight gives every task weight 0", "give at least one task a positive weight")
+        recipe.task_weights = tuple(weights[t] for t in shapes.TAGS)
     shapes_model.train(out, recipe, max_minutes=max_minutes)
 
 

@@ -91,6 +91,9 @@ class Recipe:
     vae_stats_scenes: int = 512  # fresh scenes whose latent mean/std normalise the latents
     data_scenes: int = 24576
     data_chunk: int = 2048
+    # relative share of each GenEval task (in `shapes.TAGS` order) among the flow data's scenes;
+    # None: every task alike (the VAE and its latent statistics always see every task alike)
+    task_weights: tuple[float, ...] | None = None
     flow_steps: int = 4400
     flow_batch: int = 64
     flow_lr: float = 1e-3
@@ -223,11 +226,16 @@ def _images(scenes) -> torch.Tensor:
     return torch.from_numpy(arr).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
-def random_scenes(rng: np.random.Generator, n: int) -> list:
-    """Scenes for random prompts of both splits (task uniform, prompt uniform within it)."""
+def random_scenes(rng: np.random.Generator, n: int, task_weights: tuple[float, ...] | None = None) -> list:
+    """Scenes for random prompts of both splits (prompt uniform within a task; tasks alike, or drawn
+    with the relative `task_weights`, in `shapes.TAGS` order)."""
     from tpkit import shapes
 
-    return [shapes.sample_scene(rng, size=RESOLUTION) for _ in range(n)]
+    if task_weights is None:  # its own draw, so that the uniform recipe's data stays what it was
+        return [shapes.sample_scene(rng, size=RESOLUTION) for _ in range(n)]
+    p = np.asarray(task_weights, dtype=float) / sum(task_weights)
+    return [shapes.sample_scene(rng, task=shapes.TAGS[int(rng.choice(len(p), p=p))], size=RESOLUTION)
+            for _ in range(n)]
 
 
 def sample_sigmas(gen: torch.Generator, n: int, uniform_share: float) -> torch.Tensor:
@@ -403,9 +411,9 @@ class _Trainer:
 
     @torch.no_grad()
     def make_chunk(self, i: int) -> None:
-        """Scenes for prompts of both splits (task uniform, prompt uniform within it) -> normalised latents."""
+        """Scenes for prompts of both splits (tasks weighted as the recipe says) -> normalised latents."""
         rng = np.random.default_rng([self.r.seed, 2, i])
-        scenes = random_scenes(rng, self.r.data_chunk)
+        scenes = random_scenes(rng, self.r.data_chunk, self.r.task_weights)
         vae, cfg = self.pipe.vae.eval(), self.pipe.vae.config
         lat = torch.cat([vae.encode(_images(scenes[j: j + 256])).latent_dist.mean
                          for j in range(0, len(scenes), 256)])
