@@ -192,6 +192,19 @@ def test_counting_and_exclude():
     check(G.judge(meta, [D("cat"), D("dog", score=0.3)]), True, 1.0)
 
 
+def test_a_threshold_given_replaces_genevals_for_every_tag():
+    """For diagnosis only: threshold=x keeps the detections scoring > x, whatever the tag."""
+    boxes = [(20 * k, 0, 20 * k + 10, 10) for k in range(4)]
+    three = [D("apple", b, score=s) for b, s in zip(boxes, (0.95, 0.95, 0.8))]
+    check(G.judge(counting(n=3), three), False, 1 - 1 / 3)  # GenEval's 0.9 for counting keeps 2
+    check(G.judge(counting(n=3), three, threshold=0.3), True, 1.0)
+    check(G.judge(single(), [D("cat", score=0.5)]), True, 1.0)
+    check(G.judge(single(), [D("cat", score=0.5)], threshold=0.9), False, 0.0)
+    # what a colour classifier is asked for follows the threshold too
+    dets = [D("car", score=0.95, color="red"), D("car", (50, 0, 60, 10), score=0.5)]
+    assert len(G.colour_requests(colors(n=2), dets)) == 2 and len(G.colour_requests(colors(n=2), dets, 0.9)) == 1
+
+
 # --------------------------------------------------------------------------------------------
 # colours
 # --------------------------------------------------------------------------------------------

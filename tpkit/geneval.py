@@ -349,15 +349,16 @@ def soft_score(meta: dict, detections: Sequence[dict]) -> float:
     return total / (hi - lo)
 
 
-def judge(meta: dict, detections: Sequence[dict]) -> Judgement:
+def judge(meta: dict, detections: Sequence[dict], threshold: float | None = None) -> Judgement:
     """GenEval's verdict and Flow-GRPO's dense score for one image (rules in the module docstring).
 
     detections: dicts with "class" (GenEval spelling), "score", "box" [x0, y0, x1, y1] in pixels and
-    "color" (the colour classifier's answer for that detection, or None). Raises ValueError on
-    malformed metadata.
+    "color" (the colour classifier's answer for that detection, or None). threshold: None keeps
+    GenEval's detection thresholds (rule 1); a number replaces them for every tag (for diagnosis: how
+    much of a verdict is the detector's confidence). Raises ValueError on malformed metadata.
     """
     check_meta(meta)
-    objects = kept_objects(meta, detections)
+    objects = kept_objects(meta, detections, threshold)
     correct, reason = _geneval_verdict(meta, objects)
     score = _flow_grpo_score(meta, objects)
     kept = sorted((d for dets in objects.values() for d in dets), key=lambda d: -float(d["score"]))
@@ -368,9 +369,9 @@ def judge(meta: dict, detections: Sequence[dict]) -> Judgement:
                      reason="; ".join(reason), detections=public)
 
 
-def colour_requests(meta: dict, detections: Sequence[dict]) -> list[dict]:
+def colour_requests(meta: dict, detections: Sequence[dict], threshold: float | None = None) -> list[dict]:
     """The detections whose colour the judgement needs: the top-`count` kept ones of each colour clause."""
-    objects = kept_objects(meta, detections)
+    objects = kept_objects(meta, detections, threshold)
     out, seen = [], set()
     for req in meta["include"]:
         if "color" in req:
@@ -634,12 +635,12 @@ def load_models(detector: str = DEFAULT_DETECTOR, clip: str = DEFAULT_CLIP, devi
 
 
 def detect_and_judge(images: Sequence, metadata: Sequence[dict], detector: Callable, colours: Callable | None,
-                     batch_size: int | None = None) -> list[Judgement]:
+                     batch_size: int | None = None, threshold: float | None = None) -> list[Judgement]:
     """Detect objects, classify the colours the prompts ask about, judge each image (GenEval's protocol).
 
     detector(images) -> per image [{"class", "score", "box", "mask"[, "color"]}] (a `Detector`); colours(crops,
     classes) -> colour names (a `ColourClassifier`; only called when a prompt asks for the colour of a
-    detection that has none).
+    detection that has none); threshold: see `judge`.
     Raises ValueError on malformed metadata, before running any model.
     """
     from PIL import ImageOps
@@ -654,7 +655,7 @@ def detect_and_judge(images: Sequence, metadata: Sequence[dict], detector: Calla
     for i, (meta, dets) in enumerate(zip(metadata, found)):
         dets = [dict(d, color=d.get("color")) for d in dets]
         per_image.append(dets)
-        asks += [(i, d) for d in colour_requests(meta, dets) if d["color"] is None]
+        asks += [(i, d) for d in colour_requests(meta, dets, threshold) if d["color"] is None]
     if asks:
         if colours is None:
             raise ValueError("these prompts ask for colours but no colour classifier was given")
@@ -662,7 +663,7 @@ def detect_and_judge(images: Sequence, metadata: Sequence[dict], detector: Calla
         names = colours(crops, [d["class"] for _, d in asks])
         for (_, d), name in zip(asks, names):
             d["color"] = name
-    return [judge(meta, dets) for meta, dets in zip(metadata, per_image)]
+    return [judge(meta, dets, threshold) for meta, dets in zip(metadata, per_image)]
 
 
 # --------------------------------------------------------------------------------------------

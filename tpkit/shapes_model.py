@@ -577,18 +577,30 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
 # --------------------------------------------------------------------------------------------
 
 
+def _ode_images(m, emb: dict, x: torch.Tensor, steps: int, guidance: float) -> np.ndarray:
+    """The evaluation sampler: `steps` Euler ODE steps with CFG from the noise x -> uint8 [B, H, W, 3]."""
+    from tpkit import formulas
+
+    sigmas = m.sigmas(steps, RESOLUTION)
+    with torch.no_grad():
+        for t in range(steps):
+            x = formulas.ode_step(x, m.velocity(x, torch.full((len(x),), sigmas[t]), emb, guidance), sigmas[t], sigmas[t + 1])
+    return m.decode(x)
+
+
 def accuracy(model: str, metadata: list[dict], images_per_prompt: int = 4, steps: int = 40, guidance: float = GUIDANCE,
-             seed: int = 0, batch_size: int = 32, text_length: int = TEXT_LENGTH) -> dict:
+             seed: int = 0, batch_size: int = 32, text_length: int = TEXT_LENGTH, lora: str | None = None,
+             threshold: float | None = None) -> dict:
     """GenEval accuracy with the shapes detector, sampled like `tpkit eval geneval` (ODE, CFG, one seed
     per image): {"overall": unweighted mean over tasks, task: accuracy, ...}. For choosing a checkpoint
-    on train-split prompts while pretraining; the held-out number comes from `tpkit eval geneval`."""
+    on train-split prompts while pretraining; the held-out number comes from `tpkit eval geneval`.
+    lora: an adapter from `tpkit train` on the model; threshold: see `geneval.judge` (None: GenEval's)."""
     from PIL import Image
 
-    from tpkit import formulas, geneval, models
+    from tpkit import geneval, models
 
-    m = models.load(model, device="cpu")
+    m = models.load(model, device="cpu", lora=lora)
     detector, colours = geneval.load_models("shapes")
-    sigmas = m.sigmas(steps, RESOLUTION)
     jobs = [(meta, j) for meta in metadata for j in range(images_per_prompt)]
     right: dict[str, list[bool]] = {}
     for b in range(0, len(jobs), batch_size):
@@ -596,12 +608,9 @@ def accuracy(model: str, metadata: list[dict], images_per_prompt: int = 4, steps
         emb = m.encode([meta["prompt"] for meta, _ in batch], text_length)
         g = torch.Generator().manual_seed(seed * 1_000_003 + b)
         x = torch.randn(len(batch), *m.latent_shape(RESOLUTION), generator=g)
-        with torch.no_grad():
-            for t in range(steps):
-                x = formulas.ode_step(x, m.velocity(x, torch.full((len(batch),), sigmas[t]), emb, guidance),
-                                      sigmas[t], sigmas[t + 1])
-        images = [Image.fromarray(a) for a in m.decode(x)]
-        for (meta, _), jd in zip(batch, geneval.detect_and_judge(images, [meta for meta, _ in batch], detector, colours)):
+        images = [Image.fromarray(a) for a in _ode_images(m, emb, x, steps, guidance)]
+        judged = geneval.detect_and_judge(images, [meta for meta, _ in batch], detector, colours, threshold=threshold)
+        for (meta, _), jd in zip(batch, judged):
             right.setdefault(meta["tag"], []).append(bool(jd.correct))
     out = {tag: float(np.mean(v)) for tag, v in right.items()}
     out["overall"] = float(np.mean(list(out.values())))
@@ -613,17 +622,13 @@ def sample_grid(model: str, prompts: list[str], seeds: list[int], path: Path, st
     """A captioned PNG: one row per prompt, one column per seed (the eval sampler: ODE, CFG)."""
     from PIL import Image, ImageDraw, ImageFont
 
-    from tpkit import formulas, models
+    from tpkit import models
 
     m = models.load(model, device="cpu")
-    sigmas = m.sigmas(steps, RESOLUTION)
     emb = m.encode([p for p in prompts for _ in seeds], TEXT_LENGTH)
     x = torch.stack([torch.randn(m.latent_shape(RESOLUTION), generator=torch.Generator().manual_seed(s))
                      for _ in prompts for s in seeds])
-    with torch.no_grad():
-        for t in range(steps):
-            x = formulas.ode_step(x, m.velocity(x, torch.full((len(x),), sigmas[t]), emb, guidance), sigmas[t], sigmas[t + 1])
-    images = m.decode(x)
+    images = _ode_images(m, emb, x, steps, guidance)
     cell, pad, label = RESOLUTION * scale, 4, 250
     grid = Image.new("RGB", (label + len(seeds) * (cell + pad), len(prompts) * (cell + pad)), (255, 255, 255))
     draw = ImageDraw.Draw(grid)
