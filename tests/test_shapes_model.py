@@ -168,3 +168,16 @@ def test_pretrain_shapes_refuses_a_bad_task_weight(tmp_path, capsys, arg, says):
     err = " ".join(capsys.readouterr().err.split())
     assert e.value.code == 2 and says in err and "counting=1.5" in err and "Traceback" not in err
     assert not (tmp_path / "p").exists()
+
+
+def test_a_run_refuses_to_continue_with_another_task_mix(tmp_path):
+    from tpkit import shapes
+    from tpkit.errors import ConfigError
+
+    r = tiny_recipe()
+    assert sm.train(tmp_path / "p", r, max_minutes=0, progress=False, tune_threads=False) is None
+    before = (tmp_path / "p" / "state.pt").read_bytes()
+    weighted = dataclasses.replace(r, task_weights=tuple(2.0 if t == "counting" else 1.0 for t in shapes.TAGS))
+    with pytest.raises(ConfigError, match=r"task_weights None \(now \(1.0, 1.0, 2.0") as e:
+        sm.train(tmp_path / "p", weighted, progress=False, tune_threads=False)
+    assert "--task-weight" in e.value.fix and (tmp_path / "p" / "state.pt").read_bytes() == before

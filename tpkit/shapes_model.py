@@ -488,8 +488,11 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
 
         free = ("flow_steps", "snapshot_every", "checkpoint_minutes")
         mine = {k: v for k, v in asdict(r).items() if k not in free}
-        if {**mine, **{k: v for k, v in st["recipe"].items() if k not in free}} != mine:
-            raise ConfigError(f"{out} holds a run with another recipe", "use a fresh --out folder")
+        theirs = {**mine, **{k: v for k, v in st["recipe"].items() if k not in free}}
+        if theirs != mine:
+            differ = ", ".join(f"{k} {theirs[k]} (now {mine[k]})" for k in mine if theirs[k] != mine[k])
+            raise ConfigError(f"{out} holds a run with another recipe: {differ}",
+                              "rerun with that run's options (e.g. its --task-weight) or use a fresh --out folder")
         then = replace(r, flow_steps=st["recipe"].get("flow_steps", r.flow_steps))
         taken = st["step"] if st["phase"] in ("flow", "done") else 0
         if any(flow_lr(then, s) != flow_lr(r, s) for s in range(taken)):
