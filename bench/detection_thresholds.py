@@ -7,9 +7,8 @@ detection thresholds (0.3; 0.9 for `counting`) against one threshold for every t
 The base model (and each adapter from `tpkit train`, e.g. a tuning run's RUNS/recipe-s0/round-0005/train/adapter)
 is sampled like `bench/shapes_checkpoint.py` (40 ODE steps, CFG, the same seeds for every row) on the
 prompts (default: 16 train prompts a task; give tune_shapes.py's RUNS/val.jsonl for the validation
-split; never the test split for a choice), detected once per threshold (the images are the same), and
-judged by GenEval's rules with the detections kept above that threshold. Prints a table, writes
-the numbers as JSON.
+split; never the test split for a choice) once, then detected and judged by GenEval's rules with the
+detections kept above each threshold. Prints a table, writes the numbers as JSON.
 """
 
 from __future__ import annotations
@@ -35,8 +34,9 @@ def main() -> None:
             else shapes.prompts("train", n=16))
     rows = []
     for name, lora in [("base", None)] + [tuple(x.split("=", 1)) for x in a.lora]:
-        for th in [None] + a.thresholds:
-            acc = sm.accuracy("tiny-shapes", meta, images_per_prompt=a.images_per_prompt, lora=lora, threshold=th)
+        thresholds = (None, *a.thresholds)
+        accs = sm.accuracies("tiny-shapes", meta, thresholds, images_per_prompt=a.images_per_prompt, lora=lora)
+        for th, acc in zip(thresholds, accs):
             rows.append(dict(model=name, lora=lora, threshold=th, **acc))
             print(f"{name} threshold {th or 'GenEval'}: overall {acc['overall']:.3f}, counting {acc['counting']:.3f}",
                   flush=True)

@@ -592,12 +592,19 @@ def _ode_images(m, emb: dict, x: torch.Tensor, steps: int, guidance: float) -> n
 
 
 def accuracy(model: str, metadata: list[dict], images_per_prompt: int = 4, steps: int = 40, guidance: float = GUIDANCE,
-             seed: int = 0, batch_size: int = 32, text_length: int = TEXT_LENGTH, lora: str | None = None,
-             threshold: float | None = None) -> dict:
+             seed: int = 0, batch_size: int = 32, text_length: int = TEXT_LENGTH, lora: str | None = None) -> dict:
     """GenEval accuracy with the shapes detector, sampled like `tpkit eval geneval` (ODE, CFG, one seed
     per image): {"overall": unweighted mean over tasks, task: accuracy, ...}. For choosing a checkpoint
     on train-split prompts while pretraining; the held-out number comes from `tpkit eval geneval`.
-    lora: an adapter from `tpkit train` on the model; threshold: see `geneval.judge` (None: GenEval's)."""
+    lora: an adapter from `tpkit train` on the model."""
+    return accuracies(model, metadata, (None,), images_per_prompt, steps, guidance, seed, batch_size, text_length, lora)[0]
+
+
+def accuracies(model: str, metadata: list[dict], thresholds: tuple[float | None, ...], images_per_prompt: int = 4,
+               steps: int = 40, guidance: float = GUIDANCE, seed: int = 0, batch_size: int = 32,
+               text_length: int = TEXT_LENGTH, lora: str | None = None) -> list[dict]:
+    """`accuracy` of the same images judged at each detection threshold (`geneval.judge`; None:
+    GenEval's): one result per threshold, the images sampled once."""
     from PIL import Image
 
     from tpkit import geneval, models
@@ -605,19 +612,22 @@ def accuracy(model: str, metadata: list[dict], images_per_prompt: int = 4, steps
     m = models.load(model, device="cpu", lora=lora)
     detector, colours = geneval.load_models("shapes")
     jobs = [(meta, j) for meta in metadata for j in range(images_per_prompt)]
-    right: dict[str, list[bool]] = {}
+    right: list[dict[str, list[bool]]] = [{} for _ in thresholds]
     for b in range(0, len(jobs), batch_size):
         batch = jobs[b: b + batch_size]
         emb = m.encode([meta["prompt"] for meta, _ in batch], text_length)
         g = torch.Generator().manual_seed(seed * 1_000_003 + b)
         x = torch.randn(len(batch), *m.latent_shape(RESOLUTION), generator=g)
         images = [Image.fromarray(a) for a in _ode_images(m, emb, x, steps, guidance)]
-        judged = geneval.detect_and_judge(images, [meta for meta, _ in batch], detector, colours, threshold=threshold)
-        for (meta, _), jd in zip(batch, judged):
-            right.setdefault(meta["tag"], []).append(bool(jd.correct))
-    out = {tag: float(np.mean(v)) for tag, v in right.items()}
-    out["overall"] = float(np.mean(list(out.values())))
-    return out
+        for th, out in zip(thresholds, right):
+            judged = geneval.detect_and_judge(images, [meta for meta, _ in batch], detector, colours, threshold=th)
+            for (meta, _), jd in zip(batch, judged):
+                out.setdefault(meta["tag"], []).append(bool(jd.correct))
+    results = []
+    for out in right:
+        acc = {tag: float(np.mean(v)) for tag, v in out.items()}
+        results.append({**acc, "overall": float(np.mean(list(acc.values())))})
+    return results
 
 
 def sample_grid(model: str, prompts: list[str], seeds: list[int], path: Path, steps: int = 40, guidance: float = GUIDANCE,
