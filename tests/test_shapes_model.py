@@ -181,3 +181,23 @@ def test_a_run_refuses_to_continue_with_another_task_mix(tmp_path):
     with pytest.raises(ConfigError, match=r"task_weights None \(now \(1.0, 1.0, 2.0") as e:
         sm.train(tmp_path / "p", weighted, progress=False, tune_threads=False)
     assert "--task-weight" in e.value.fix and (tmp_path / "p" / "state.pt").read_bytes() == before
+
+
+def test_pretraining_refuses_a_folder_that_is_not_a_pretraining_run(tmp_path):
+    """An RL run folder (or a file) given as --out by mistake is left as it was."""
+    from tpkit.errors import InputError
+
+    run = tmp_path / "runs" / "shapes-tpgrpo"
+    run.mkdir(parents=True)
+    (run / "rounds.jsonl").write_text("{}\n")
+    with pytest.raises(InputError, match="not a pretraining run") as e:
+        sm.train(run, tiny_recipe(), max_minutes=0, progress=False, tune_threads=False)
+    assert "new or empty --out" in e.value.fix and sorted(p.name for p in run.iterdir()) == ["rounds.jsonl"]
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(InputError, match="is a file"):
+        sm.train(tmp_path / "f", tiny_recipe(), max_minutes=0, progress=False, tune_threads=False)
+    # an empty folder, or one whose first checkpoint was cut short, is a run to start
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "state.pt.tmp").write_bytes(b"")
+    assert sm.train(tmp_path / "cut", tiny_recipe(), max_minutes=0, progress=False, tune_threads=False) is None
+    assert (tmp_path / "cut" / "state.pt").is_file()

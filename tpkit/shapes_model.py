@@ -475,8 +475,16 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
 
     from tpkit.ui import console
 
+    from tpkit.errors import ConfigError, InputError
+
     r = recipe or Recipe()
     out = Path(out)
+    # a folder is a pretraining run once it holds state.pt (written before anything else is, through
+    # state.pt.tmp); anything else in it (an RL run folder given as --out by mistake) is refused, not written into
+    if out.is_file() or (out.is_dir() and not (out / "state.pt").is_file()
+                         and any(p.name != "state.pt.tmp" and not p.name.startswith(".") for p in out.iterdir())):
+        raise InputError(f"{out} is {'a file' if out.is_file() else 'a folder of other files'}, not a pretraining run",
+                         "pass a new or empty --out folder (or the folder of the run to continue)")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(r.seed)
     tr = _Trainer(out, r)
@@ -484,8 +492,6 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
         st = torch.load(out / "state.pt", weights_only=False)
         # the run may be lengthened or shortened while every step it took had the learning rate the new
         # length gives it too (before either cooldown began); a field added since that run keeps its default
-        from tpkit.errors import ConfigError
-
         free = ("flow_steps", "snapshot_every", "checkpoint_minutes")
         mine = {k: v for k, v in asdict(r).items() if k not in free}
         theirs = {**mine, **{k: v for k, v in st["recipe"].items() if k not in free}}
