@@ -8,7 +8,7 @@
 #   2b. the same 2 rounds with the shapes detector spread over 8 processes (reward option workers;
 #      score is CPU-bound there) -> $OUT/pool.log, pool-rounds.jsonl: compare the score seconds per
 #      round with step 2's (same seeds: the rewards, hence the rounds' numbers, must be identical)
-#   3. bench/tune_shapes.py's settings on the validation split in float32, 8 runs side by side,
+#   3. bench/shapes/tune_shapes.py's settings on the validation split in float32, 8 runs side by side,
 #      seed by seed, cut at SWEEP_S seconds -> $OUT/sweep.log, sweep.tgz (rounds.jsonl, run.toml,
 #      manifests (eval-base's holds the base model's accuracy) and logs)
 set -u
@@ -43,7 +43,7 @@ tail -15 "$OUT/pool.log"
 fi
 
 t0=$(date +%s)
-timeout "$SWEEP_S" python3 bench/tune_shapes.py --seeds $SEEDS --rounds 9 --jobs 8 --runs /tmp/tune --out /tmp/tune-out \
+timeout "$SWEEP_S" python3 bench/shapes/tune_shapes.py --seeds $SEEDS --rounds 9 --jobs 8 --runs /tmp/tune --out /tmp/tune-out \
   --settings recipe strict-mix std-global strict-mix-std-global group16 noise1.0 prompts32 lr2e-3 \
   --set rollout.dtype=float32 --set score.dtype=float32 --set train.dtype=float32 --set eval.dtype=float32 \
   > "$OUT/sweep.log" 2>&1; echo "sweep: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu.txt"
