@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "data"
+# GenEval's own prompt metadata (553 prompts, MIT), which tpkit does not ship: tests that compare against
+# it read $GENEVAL_METADATA, else a workspace copy next to the checkout, and are skipped without either.
+OFFICIAL_GENEVAL = Path(os.environ.get("GENEVAL_METADATA")
+                        or ROOT.parent / "shared" / "data" / "geneval" / "evaluation_metadata.jsonl")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,4 +1,4 @@
-"""The advantages stage against an independent reference of DESIGN.md section 2.
+"""The advantages stage against an independent reference of docs/design.md section 2.
 
 `reference()` below is a deliberately plain re-implementation (Python loops, no numpy, nothing
 from tpkit.formulas); every output row of `tpkit.advantages.run` is compared against it, on
@@ -27,7 +27,7 @@ EPS = 1e-4
 TOL = 1e-9
 
 # --------------------------------------------------------------------------------------------
-# The reference (DESIGN.md section 2, written out longhand)
+# The reference (docs/design.md section 2, written out longhand)
 # --------------------------------------------------------------------------------------------
 
 

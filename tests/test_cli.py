@@ -97,6 +97,26 @@ def test_stage_help(command, options):
         assert opt in out, opt
 
 
+def test_version():
+    import tpkit as package
+
+    p = tpkit("--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"tpkit {package.__version__}"
+
+
+def test_tables_are_whole_when_output_is_not_a_terminal():
+    """`tpkit run ... > log` (stdout a file, no COLUMNS): the rounds table keeps its headers whole instead
+    of cutting them to 80 columns ("held-…")."""
+    code = ("from tpkit.show import rounds_view\n"
+            "line = dict(round=1, reward_mean=0.5, reward_stderr=0.01, reward_std=0.1, n=128, turning_point_rate=0.05,"
+            " transformer_calls=7040, seconds={'rollout': 9.5}, eval={'geneval_overall': 0.38},"
+            " reward_by_task={'single_object': 0.9, 'color_attr': 0.1})\n"
+            "rounds_view([line], {'geneval_overall': 0.35, 'geneval_single_object': 0.8}, None)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "held-out geneval_overall" in p.stdout and "held-out, base" in p.stdout and "…" not in p.stdout
+
+
 def test_no_arguments_shows_help_not_a_traceback():
     p = tpkit()
     assert "Traceback" not in p.stdout + p.stderr
@@ -238,12 +258,12 @@ def test_cps_window_reaching_the_last_step_is_refused():
 
 
 def test_threads_flag_anywhere_and_its_errors(monkeypatch):
-    from tpkit import cli
+    from tpkit import cli_errors
 
     monkeypatch.setenv("TPKIT_THREADS", "")  # registered, so the value _take_threads writes is undone after the test
-    assert cli._take_threads(["run", "--threads", "1", "r.toml"]) == ["run", "r.toml"]
+    assert cli_errors.take_threads(["run", "--threads", "1", "r.toml"]) == ["run", "r.toml"]
     assert os.environ["TPKIT_THREADS"] == "1"
-    assert cli._take_threads(["--threads=3", "rollout"]) == ["rollout"] and os.environ["TPKIT_THREADS"] == "3"
+    assert cli_errors.take_threads(["--threads=3", "rollout"]) == ["rollout"] and os.environ["TPKIT_THREADS"] == "3"
     r = tpkit("--threads", "0", "rewards")
     assert r.returncode == 2 and "--threads" in r.stderr and "Traceback" not in r.stderr
 

@@ -1,7 +1,7 @@
 """PickScore, CLIPScore and the aesthetic predictor with tiny random CLIP models, offline.
 
 Every score is checked against a direct computation with transformers' CLIPModel forward
-(written here, independently of tpkit.clip_rewards), on the same images and prompts.
+(written here, independently of tpkit.rewards.clip), on the same images and prompts.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def head_file(tmp_path_factory) -> tuple[Path, PublishedMLP]:
 
 
 def test_pickscore_equals_direct_computation(tiny_clip, images):
-    from tpkit.clip_rewards import pickscore
+    from tpkit.rewards.clip import pickscore
 
     fn = pickscore({"model": str(tiny_clip), "processor": str(tiny_clip)})
     got = fn(images, PROMPTS, [{}] * len(images))
@@ -92,7 +92,7 @@ def test_pickscore_equals_direct_computation(tiny_clip, images):
 
 
 def test_pickscore_scale_multiplies(tiny_clip, images):
-    from tpkit.clip_rewards import pickscore
+    from tpkit.rewards.clip import pickscore
 
     base = pickscore({"model": str(tiny_clip), "processor": str(tiny_clip)})(images, PROMPTS, [{}] * 6)
     for scale, factor in ((0.5, 0.5), ("1/26", 1 / 26)):
@@ -101,7 +101,7 @@ def test_pickscore_scale_multiplies(tiny_clip, images):
 
 
 def test_clipscore_equals_direct_computation(tiny_clip, images):
-    from tpkit.clip_rewards import clipscore
+    from tpkit.rewards.clip import clipscore
 
     out, _, _ = _direct(tiny_clip, images, PROMPTS)
     cos = (out.image_embeds * out.text_embeds).sum(-1)  # forward's embeds are L2-normalised
@@ -115,7 +115,7 @@ def test_clipscore_equals_direct_computation(tiny_clip, images):
 def test_aesthetic_equals_direct_mlp(tiny_clip, images, head_file):
     from safetensors.torch import save_file
 
-    from tpkit.clip_rewards import aesthetic
+    from tpkit.rewards.clip import aesthetic
 
     path, mlp = head_file
     out, _, _ = _direct(tiny_clip, images, PROMPTS)
@@ -129,7 +129,7 @@ def test_aesthetic_equals_direct_mlp(tiny_clip, images, head_file):
 
 
 def test_aesthetic_head_keys_match_the_published_layout():
-    from tpkit.clip_rewards import AestheticHead
+    from tpkit.rewards.clip import AestheticHead
 
     keys = {f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias")}
     assert set(AestheticHead(768).state_dict()) == keys == set(PublishedMLP(768).state_dict())
@@ -139,7 +139,7 @@ def test_aesthetic_head_keys_match_the_published_layout():
 
 
 def test_batching_does_not_change_scores(tiny_clip, images, head_file):
-    from tpkit.clip_rewards import aesthetic, clipscore, pickscore
+    from tpkit.rewards.clip import aesthetic, clipscore, pickscore
 
     def both(factory, **opts):
         return [factory({**opts, "batch_size": b})(images, PROMPTS, [{}] * 6) for b in (1, 4)]
@@ -154,7 +154,7 @@ def test_batching_does_not_change_scores(tiny_clip, images, head_file):
 
 
 def test_missing_local_folder_fails_at_factory_time(tiny_clip, tmp_path, head_file):
-    from tpkit.clip_rewards import aesthetic, clipscore, pickscore
+    from tpkit.rewards.clip import aesthetic, clipscore, pickscore
 
     missing = str(tmp_path / "no-such-model")
     cases = [(pickscore, {"model": missing, "processor": str(tiny_clip)}, "pickscore.model"),
@@ -169,7 +169,7 @@ def test_missing_local_folder_fails_at_factory_time(tiny_clip, tmp_path, head_fi
 
 
 def test_bad_options_are_rejected(tiny_clip):
-    from tpkit.clip_rewards import pickscore
+    from tpkit.rewards.clip import pickscore
     from tpkit.errors import RewardError
 
     for opts in ({"nope": 1}, {"scale": "big"}, {"batch_size": 0}):
@@ -178,7 +178,7 @@ def test_bad_options_are_rejected(tiny_clip):
 
 
 def test_aesthetic_head_of_the_wrong_width_is_a_clear_error(tiny_clip, tmp_path):
-    from tpkit.clip_rewards import aesthetic
+    from tpkit.rewards.clip import aesthetic
 
     path = tmp_path / "l14.pth"
     torch.save(PublishedMLP(768).state_dict(), path)
@@ -194,7 +194,7 @@ def _cached(repo: str, filename: str) -> bool:
 
 def test_real_ids_offline_fail_fast_naming_the_model(monkeypatch, tiny_clip):
     import tpkit.hub
-    from tpkit.clip_rewards import aesthetic, clipscore, pickscore
+    from tpkit.rewards.clip import aesthetic, clipscore, pickscore
 
     if any(_cached(r, f) for r, f in (("yuvalkirstain/PickScore_v1", "config.json"),
                                       ("laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "config.json"),

@@ -395,7 +395,7 @@ def test_run_under_accelerate_launch(work):
     lines = (out / layout.ROUNDS_FILE).read_text().splitlines()
     assert len(lines) == 1
     line = json.loads(lines[0])
-    assert line["round"] == 0 and line["n"] == 2 * GROUP
+    assert line["round"] == 1 and line["folder"] == "round-0000" and line["n"] == 2 * GROUP
     r0 = layout.round_dir(out, 0)
     rollout, score, train = r0 / "rollout", r0 / "score", r0 / "train"
     assert [p.name for p in layout.list_shards(rollout)] == expected_names(2, 2)  # rank 0 and rank 1 each wrote one

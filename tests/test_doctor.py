@@ -109,7 +109,7 @@ def test_missing_extra_names_the_pip_fix(tmp_path, monkeypatch):
 def test_rewards_declare_their_model_files(tmp_path, monkeypatch):
     """The model files come from the reward's module: ocr's from the rapidocr wheel, none for the
     weight-free shapes detector of geneval, and a reward's own error (with its fix) when it cannot say."""
-    from tpkit import ocr
+    from tpkit.rewards import ocr
     from tpkit.errors import ModelError
 
     c = by_name(doctor.run(out=str(tmp_path), rewards=["ocr", "geneval"], reward_opts=["geneval.detector=shapes"]))

@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from pathlib import Path
 import pytest
 from PIL import Image
 
-from conftest import DATA
+from conftest import DATA, OFFICIAL_GENEVAL
 from tpkit import evaluate
 from tpkit.config import EvalConfig
 from tpkit.errors import ConfigError
-from tpkit.rewards import load_rewards, score_images
+from tpkit.rewards.registry import load_rewards, score_images
 
 STEPS = 6  # a short ODE keeps the tests quick; the default is 40
 BATCH = 2  # one prompt (2 images) per generation batch, so that 2 ranks both get work
@@ -146,9 +145,6 @@ def test_bad_inputs(tmp_path, two_prompts):
 # tpkit eval geneval with tiny random detector and CLIP models given by local path
 # --------------------------------------------------------------------------------------------
 
-OFFICIAL = Path("/work/shared/data/geneval/evaluation_metadata.jsonl")
-
-
 def _one_per_tag(lines: list[str]) -> list[str]:
     seen, out = set(), []
     for line in lines:
@@ -169,10 +165,9 @@ def geneval_models(tmp_path_factory):
 
 @pytest.mark.parametrize("source", ["tpkit", "official"])
 def test_eval_geneval_end_to_end(tmp_path, geneval_models, source):
-    official = Path(__file__).resolve().parents[2] / "shared" / "data" / "geneval" / "evaluation_metadata.jsonl"
-    path = official if official.is_file() else OFFICIAL
+    path = OFFICIAL_GENEVAL
     if source == "official" and not path.is_file():
-        pytest.skip("GenEval's official metadata is not beside the project")
+        pytest.skip(f"GenEval's official metadata is not at {path} (set GENEVAL_METADATA)")
     src = path if source == "official" else DATA / "geneval-style.jsonl"
     meta = tmp_path / "meta.jsonl"
     meta.write_text("".join(_one_per_tag(src.read_text().splitlines(keepends=True))))
@@ -197,7 +192,7 @@ def test_eval_geneval_rejects_prompts_without_geneval_metadata(tmp_path, two_pro
 def test_geneval_defaults_to_genevals_own_prompts(tmp_path):
     """Without --metadata, `tpkit eval geneval` evaluates GenEval's 553 prompts (regenerated, so an
     installed tpkit needs no data file)."""
-    from tpkit.geneval_prompts import official_like_test_set
+    from tpkit.geneval.prompts import official_like_test_set
 
     prompts, folders = evaluate._load_prompts(EvalConfig(kind="geneval", out=str(tmp_path / "g")).validate())
     official = official_like_test_set()

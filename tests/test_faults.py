@@ -442,7 +442,7 @@ def test_run_sigkill_in_round_one_then_rerun(clean, tmp_path):
     assert snapshot(r0) == before  # round 0 untouched
     assert {k: v for k, v in snapshot(r1).items() if k in kept_round1} == kept_round1
     rounds = read_jsonl(run_dir / layout.ROUNDS_FILE)
-    assert [x["round"] for x in rounds] == [0, 1]  # each round once
+    assert [x["round"] for x in rounds] == [1, 2]  # each round once
     for stage in ("rollout", "score", "advantages", "train"):
         assert (r1 / stage / layout.MANIFEST).is_file()
     assert (run_dir / "report.png").read_bytes().startswith(b"\x89PNG")

@@ -163,7 +163,7 @@ def test_branch_0_is_the_ode_sample_from_the_rollout_noise(flux_run, tiny_flux):
                                                         t.meta["guidance"]), s[j], s[j + 1])
     from PIL import Image
 
-    from tpkit.rewards import brightness
+    from tpkit.rewards.registry import brightness
 
     ours = brightness({})([Image.fromarray(tiny_flux.decode(x)[0])], [], [])[0]
     row = next(r for r in layout.read_parquet_tables(flux_run / "score", "score").to_pylist()

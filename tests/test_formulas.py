@@ -1,4 +1,4 @@
-"""tpkit.formulas against hand-worked numbers and invariants (DESIGN.md section 2).
+"""tpkit.formulas against hand-worked numbers and invariants (docs/design.md section 2).
 
 Every expected value here is computed by hand in the test (plain Python `math`), never by
 calling another tpkit function, so a mistake in one formula cannot hide behind another.
@@ -56,7 +56,7 @@ def test_ode_step_to_zero_gives_x0_prediction():
 
 
 def sde_by_hand(x, v, sigma, sigma_next, a, sigma_1):
-    """DESIGN.md: s = a sqrt(sigma / (1 - sigma)), sigma = 1 replaced by sigma_1 inside (1 - sigma)."""
+    """docs/design.md section 2: s = a sqrt(sigma / (1 - sigma)), sigma = 1 replaced by sigma_1 inside (1 - sigma)."""
     dt = sigma_next - sigma
     s = a * math.sqrt(sigma / (1.0 - (sigma_1 if sigma == 1.0 else sigma)))
     mu = x * (1 + s**2 / (2 * sigma) * dt) + v * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
@@ -336,7 +336,7 @@ def test_window_start_rejects_a_window_that_does_not_fit():
 
 def test_branch_calls():
     assert F.branch_calls(10, 0, 9) == 45  # 9 + 8 + ... + 1
-    assert 10 + F.branch_calls(10, 0, 9) == 55  # DESIGN.md: 55 calls per trajectory instead of 64
+    assert 10 + F.branch_calls(10, 0, 9) == 55  # docs/design.md section 2: 55 calls per trajectory instead of 64
     # T = 10, a = 2, K = 3: branches from steps 2, 3, 4 need 8 + 7 + 6 calls, minus the reused first = 7 + 6 + 5
     assert F.branch_calls(10, 2, 3) == 18
     assert F.branch_calls(10, 0, 0) == 0

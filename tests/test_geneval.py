@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import build_tiny_clip
-from tpkit import geneval as G
+from conftest import OFFICIAL_GENEVAL, build_tiny_clip
+from tpkit.geneval import detectors as det
+from tpkit.geneval import judge as G
+from tpkit.rewards import geneval as rg
 from tpkit.errors import ModelError, RewardError
 
 ROOT = Path(__file__).resolve().parents[1]
-OFFICIAL = ROOT.parent / "shared" / "data" / "geneval" / "evaluation_metadata.jsonl"
+OFFICIAL = OFFICIAL_GENEVAL
 
 
 def D(cls, box=(0, 0, 10, 10), score=0.95, color=None):
@@ -356,12 +358,12 @@ def test_label_map():
     assert G.geneval_class("computer mouse") == "computer mouse"
     assert G.geneval_class("LABEL_3") is None and G.geneval_class("sky-other-merged") is None
     assert len(G.COCO_TO_GENEVAL) == 80 and len(set(G.GENEVAL_CLASSES)) == 80
-    assert len(G.COLOURS) == 10 and len(G.COLOUR_TEMPLATES) == 3
+    assert len(G.COLOURS) == 10 and len(det.COLOUR_TEMPLATES) == 3
 
 
 def _official():
     if not OFFICIAL.is_file():
-        pytest.skip("GenEval's official metadata (../shared/data/geneval) is not here")
+        pytest.skip(f"GenEval's official metadata is not at {OFFICIAL} (set GENEVAL_METADATA)")
     return [json.loads(line) for line in OFFICIAL.read_text().splitlines() if line.strip()]
 
 
@@ -408,16 +410,16 @@ def test_mask2former_instances_follow_mmdet():
     masks = torch.full((1, 4, 4), -10.0)
     masks[0, 1:3, 1:3] = 10.0
     p0 = torch.softmax(cls, -1)[0, 0].item()
-    [(label, score, box, mask)] = G.mask2former_instances(cls, masks, (4, 4), (4, 4), (4, 4))
+    [(label, score, box, mask)] = det.mask2former_instances(cls, masks, (4, 4), (4, 4), (4, 4))
     assert label == 0 and box == [1.0, 1.0, 3.0, 3.0] and mask.sum() == 4
     assert score == pytest.approx(p0 / (1 + math.exp(-10)), rel=1e-5)
     # only the top half of the input is the image: crop, then stretch to the original size
-    [(label, score, box, mask)] = G.mask2former_instances(cls, masks, (4, 4), (2, 4), (4, 4))
+    [(label, score, box, mask)] = det.mask2former_instances(cls, masks, (4, 4), (2, 4), (4, 4))
     assert box == [1.0, 2.0, 3.0, 4.0]
     sig = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
     assert score == pytest.approx(p0 * (sig(5) + sig(10)) / 2, rel=1e-5)
     # a class probability <= min_score cannot make a detection
-    assert G.mask2former_instances(torch.tensor([[0.0, 0.0, 5.0]]), masks, (4, 4), (4, 4), (4, 4)) == []
+    assert det.mask2former_instances(torch.tensor([[0.0, 0.0, 5.0]]), masks, (4, 4), (4, 4), (4, 4)) == []
 
 
 def test_object_crop_on_grey():
@@ -427,10 +429,10 @@ def test_object_crop_on_grey():
     image = Image.new("RGB", (8, 6), (255, 0, 0))
     mask = np.zeros((6, 8), dtype=bool)
     mask[2:4, 2:4] = True
-    crop = G.object_crop(image, [1, 1, 5, 5], mask)
+    crop = det.object_crop(image, [1, 1, 5, 5], mask)
     assert crop.size == (4, 4)
     assert crop.getpixel((0, 0)) == (0x99, 0x99, 0x99) and crop.getpixel((1, 1)) == (255, 0, 0)
-    assert G.object_crop(image, [1, 1, 5, 5], None).getpixel((0, 0)) == (255, 0, 0)
+    assert det.object_crop(image, [1, 1, 5, 5], None).getpixel((0, 0)) == (255, 0, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -493,16 +495,16 @@ def test_geneval_reward_end_to_end(tiny_models):
     metas = _style_metadata()
     opts = {"detector": tiny_models["detector"], "clip": tiny_models["clip"], "batch_size": 1}
     images, prompts = _images(), [m["prompt"] for m in metas]
-    scores = G.geneval_reward(opts)(images, prompts, metas)
-    strict = G.geneval_strict(opts)(images, prompts, metas)
+    scores = rg.geneval_reward(opts)(images, prompts, metas)
+    strict = rg.geneval_strict(opts)(images, prompts, metas)
     assert len(scores) == 2 and all(math.isfinite(s) and 0.0 <= s <= 1.0 for s in scores)
     assert all(s in (0.0, 1.0) for s in strict)
     # the same models, built once, serve both rewards
-    assert G.load_models(opts["detector"], opts["clip"]) is G.load_models(opts["detector"], opts["clip"])
+    assert det.load_models(opts["detector"], opts["clip"]) is det.load_models(opts["detector"], opts["clip"])
 
 
 def test_builtin_reward_registry_reaches_geneval(tiny_models):
-    from tpkit.rewards import load_rewards, score_images
+    from tpkit.rewards.registry import load_rewards, score_images
 
     metas = _style_metadata()
     rewards = load_rewards({"geneval": 1.0}, {"geneval": {"detector": tiny_models["detector"], "clip": tiny_models["clip"]}})
@@ -511,7 +513,7 @@ def test_builtin_reward_registry_reaches_geneval(tiny_models):
 
 
 def test_detections_and_colours_with_a_confident_detector(tiny_models):
-    from tpkit.geneval import ColourClassifier, Detector
+    from tpkit.geneval.detectors import ColourClassifier, Detector
 
     detector = Detector(tiny_models["confident"], device="cpu")
     colours = ColourClassifier(tiny_models["clip"], device="cpu")
@@ -525,7 +527,7 @@ def test_detections_and_colours_with_a_confident_detector(tiny_models):
             x0, y0, x1, y1 = d["box"]
             assert 0 <= x0 < x1 <= image.width and 0 <= y0 < y1 <= image.height
     metas = [colors("car", "red"), colors("car", "blue")]
-    judgements = G.detect_and_judge(images, metas, detector, colours)
+    judgements = det.detect_and_judge(images, metas, detector, colours)
     for j, dets in zip(judgements, found):
         assert len(j.detections) == len(dets)
         assert all(d["color"] in G.COLOURS for d in j.detections)
@@ -538,7 +540,7 @@ def test_colour_classifier_matches_a_direct_clip_computation(tiny_models):
     from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
     path = tiny_models["clip"]
-    clf = G.ColourClassifier(path, device="cpu")
+    clf = det.ColourClassifier(path, device="cpu")
     crops = [Image.new("RGB", (20, 12), c) for c in ("red", "blue", "white")]
     got = clf(crops, ["car", "car", "bus"], batch_size=2)
     model, tok, proc = CLIPModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
@@ -558,31 +560,31 @@ def test_colour_classifier_matches_a_direct_clip_computation(tiny_models):
 
 def test_missing_models_fail_at_factory_time_naming_the_option(tiny_models, tmp_path, monkeypatch):
     with pytest.raises(ModelError, match="detector"):
-        G.geneval_reward({"detector": str(tmp_path / "no-such-detector"), "clip": tiny_models["clip"]})
+        rg.geneval_reward({"detector": str(tmp_path / "no-such-detector"), "clip": tiny_models["clip"]})
     with pytest.raises(ModelError, match="clip"):
-        G.geneval_strict({"detector": tiny_models["detector"], "clip": str(tmp_path / "no-such-clip")})
+        rg.geneval_strict({"detector": tiny_models["detector"], "clip": str(tmp_path / "no-such-clip")})
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelError) as e:
-        G.geneval_reward({"detector": "nobody/no-such-detector", "clip": tiny_models["clip"]})
+        rg.geneval_reward({"detector": "nobody/no-such-detector", "clip": tiny_models["clip"]})
     assert "detector" in str(e.value) and "geneval.detector" in str(e.value)
     with pytest.raises(ModelError, match="neither an instance-segmentation nor an object-detection"):
-        G.geneval_reward({"detector": tiny_models["clip"], "clip": tiny_models["clip"]})
+        rg.geneval_reward({"detector": tiny_models["clip"], "clip": tiny_models["clip"]})
     with pytest.raises(ModelError, match="no COCO class"):  # labels LABEL_0, LABEL_1, ...
-        G.Detector(str(_tiny_mask2former(tmp_path / "unlabelled", coco_labels=False)), device="cpu")
+        det.Detector(str(_tiny_mask2former(tmp_path / "unlabelled", coco_labels=False)), device="cpu")
 
 
 def test_reward_rejects_prompts_without_geneval_metadata(tiny_models):
     opts = {"detector": tiny_models["detector"], "clip": tiny_models["clip"]}
-    score = G.geneval_reward(opts)
+    score = rg.geneval_reward(opts)
     with pytest.raises(RewardError, match="a red cube") as e:
         score(_images(1), ["a red cube"], [{"prompt": "a red cube"}])
     assert "geneval-style.jsonl" in str(e.value)
     with pytest.raises(RewardError, match="bad GenEval metadata"):
         score(_images(1), ["p"], [{"tag": "colors", "include": [{"class": "car", "count": 0}]}])
     with pytest.raises(RewardError, match="no option"):
-        G.geneval_reward({"detectr": "x"})
+        rg.geneval_reward({"detectr": "x"})
     with pytest.raises(RewardError, match="batch_size"):
-        G.geneval_reward({**opts, "batch_size": 0})
+        rg.geneval_reward({**opts, "batch_size": 0})
 
 
 def test_a_box_detector_works_too(tiny_models, tmp_path):
@@ -604,10 +606,10 @@ def test_a_box_detector_works_too(tiny_models, tmp_path):
     model.save_pretrained(tmp_path / "detr")
     DetrImageProcessorPil(size={"shortest_edge": 64, "longest_edge": 96}).save_pretrained(tmp_path / "detr")
 
-    detector = G.Detector(str(tmp_path / "detr"), device="cpu")
+    detector = det.Detector(str(tmp_path / "detr"), device="cpu")
     [dets] = detector(_images(1))
     assert [d["class"] for d in dets] == ["computer mouse"] and dets[0]["mask"] is None
     meta = {"tag": "colors", "include": [{"class": "computer mouse", "count": 1, "color": "black"}], "prompt": "p"}
-    [j] = G.detect_and_judge(_images(1), [meta], detector, G.ColourClassifier(tiny_models["clip"], device="cpu"))
+    [j] = det.detect_and_judge(_images(1), [meta], detector, det.ColourClassifier(tiny_models["clip"], device="cpu"))
     assert j.detections[0]["color"] in G.COLOURS
     assert j.score == (1.0 if j.correct else 0.5)

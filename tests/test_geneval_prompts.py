@@ -1,20 +1,19 @@
-"""tpkit.geneval_prompts: GenEval's prompt procedure, redone without NumPy; train/test sets."""
+"""tpkit.geneval.prompts: GenEval's prompt procedure, redone without NumPy; train/test sets."""
 
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tpkit import geneval_prompts as gp
 from tpkit.errors import ConfigError
+from tpkit.geneval import prompts as gp
 
-# GenEval's own file (MIT), never copied into the project: next to the checkout, or $GENEVAL_METADATA
-OFFICIAL = Path(os.environ.get("GENEVAL_METADATA") or
-                Path(__file__).resolve().parents[2] / "shared" / "data" / "geneval" / "evaluation_metadata.jsonl")
+from conftest import OFFICIAL_GENEVAL
+
+OFFICIAL = OFFICIAL_GENEVAL
 
 
 @pytest.fixture(scope="module")

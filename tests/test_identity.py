@@ -372,7 +372,7 @@ def test_run_stops_at_a_round_with_nothing_to_learn(base, tmp_path, capfd, rewar
     recipe = tmp_path / "const.toml"
     recipe.write_text(tomli_w.dumps(data))
     capfd.readouterr()
-    refused(capfd, cli("run", recipe, "--out", tmp_path / "run"), "round 0", "nothing to learn")
+    refused(capfd, cli("run", recipe, "--out", tmp_path / "run"), "round 1:", "nothing to learn")
     assert not layout.round_dir(tmp_path / "run", 1).exists()
     assert not (layout.round_dir(tmp_path / "run", 0) / "train" / layout.MANIFEST).exists()
     # another recipe into that run folder: refused; --overwrite starts again
@@ -405,7 +405,7 @@ def test_run_keeps_a_finished_stage_only_if_it_holds_what_the_round_would_write(
     (r0 / "round.json").unlink()
     assert cli("rollout", "--prompts", base / "two.txt", "--out", r0 / "rollout", *SMALL, "--seed", "9", "--overwrite") == 0
     capfd.readouterr()
-    refused(capfd, cli("run", recipe, "--out", run_dir), "round 0", "--seed")
+    refused(capfd, cli("run", recipe, "--out", run_dir), "round 1:", "--seed")
     assert not (r0 / "train").exists()
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from tpkit import image_reward as ir
+from tpkit.rewards import image_reward as ir
 from tpkit.errors import ModelError
 
 V_WIDTH, V_DEPTH, V_HEADS, PATCH, SIZE = 32, 2, 2, 8, 32
@@ -189,7 +189,7 @@ def test_unknown_or_missing_keys_are_refused(tokenizer):
 
 
 def test_reward_loads_a_local_checkpoint_and_scores(tokenizer, tmp_path):
-    from tpkit.rewards import load_rewards, score_images
+    from tpkit.rewards.registry import load_rewards, score_images
 
     path = tmp_path / "ImageReward.pt"
     torch.save(random_checkpoint(len(tokenizer)), path)
@@ -201,7 +201,7 @@ def test_reward_loads_a_local_checkpoint_and_scores(tokenizer, tmp_path):
 
 
 def test_missing_model_fails_fast_offline(monkeypatch, tmp_path, tok_folder):
-    from tpkit.rewards import load_rewards
+    from tpkit.rewards.registry import load_rewards
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

@@ -19,8 +19,8 @@ pytest.importorskip("rapidfuzz", reason="needs the ocr extra: pip install 'tpkit
 from rapidfuzz.distance import Levenshtein  # noqa: E402
 
 from tpkit.errors import ModelError, RewardError  # noqa: E402
-from tpkit.ocr import normalise, ocr, quoted_text  # noqa: E402
-from tpkit.rewards import load_rewards, score_images  # noqa: E402
+from tpkit.rewards.ocr import normalise, ocr, quoted_text  # noqa: E402
+from tpkit.rewards.registry import load_rewards, score_images  # noqa: E402
 
 DEJAVU = Path("/usr/share/fonts/truetype/dejavu")
 

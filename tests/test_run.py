@@ -298,7 +298,7 @@ def e2e(tmp_path_factory, two_prompts) -> dict:
 def test_rounds_jsonl(e2e):
     rounds = e2e["rounds"]
     assert len(rounds) == 2
-    assert [x["round"] for x in rounds] == [0, 1]
+    assert [x["round"] for x in rounds] == [1, 2]
     assert rounds == e2e["lines"]
     for x in rounds:
         for k in ROUND_KEYS:
@@ -358,7 +358,7 @@ def test_continue_extend_redo_and_refuse(e2e, tmp_path):
     # 2. rounds=3 runs only round 2 (from round 1's adapter).
     lines = run(load_recipe(recipe, rounds=3, out=str(run_dir)))
     assert files_under(run_dir, 0, 1) == before
-    assert [x["round"] for x in lines] == [0, 1, 2]
+    assert [x["round"] for x in lines] == [1, 2, 3]
     assert read_jsonl(run_dir / layout.ROUNDS_FILE) == lines
     assert lines[:2] == e2e["rounds"]
     for stage in ("rollout", "score", "advantages", "train"):
@@ -390,7 +390,7 @@ def test_continue_extend_redo_and_refuse(e2e, tmp_path):
     assert all(k.startswith("round-0001/train/") or k in allowed for k in changed), sorted(changed)
     assert "round-0001/train/manifest.json" in after
     assert "round-0001/train/metrics.jsonl" in changed
-    assert len(lines) == 3 and [x["round"] for x in lines] == [0, 1, 2]
+    assert len(lines) == 3 and [x["round"] for x in lines] == [1, 2, 3]
     assert read_jsonl(train1 / layout.METRICS_FILE)[0]["ratio_mean"] == 1.0
     # Round 2 was sampled with round 1's adapter: the redone stage reproduces its weights exactly
     # (tensors, not file bytes: safetensors' header key order varies between writes).
@@ -424,7 +424,8 @@ def test_a_continued_run_may_change_how_stages_run_not_what_they_compute(tmp_pat
     """The run-level recipe check leaves out what the stages' identities leave out: reward threads,
     --on-nan, the shapes detector's processes (same detections), when to checkpoint; not what changes
     results. Whichever way round (options added or dropped on the continuation)."""
-    from tpkit.run import RUN_TOML, recipe_difference
+    from tpkit.layout import RUN_TOML
+    from tpkit.run import recipe_difference
 
     recipe = ROOT / "pipelines" / "shapes-tpgrpo.toml"
     for first, then in ((changes, []), ([], changes)):
@@ -480,7 +481,7 @@ def test_keep_rounds_deletes_old_rounds_shards_only(e2e, tmp_path, two_prompts, 
     for stage in ("score", "advantages", "train"):  # everything after the rollout stays
         assert (stage_dirs(run_dir, 1)[stage] / layout.MANIFEST).is_file()
     assert (stage_dirs(run_dir, 1)["train"] / "state").is_dir()
-    assert "deleted the rollout shards of round(s) 1" in capsys.readouterr().err
+    assert "deleted the rollout shards of round(s) 2 (" in capsys.readouterr().err  # folder round-0001
     assert [x["reward_mean"] for x in lines[:2]] == [x["reward_mean"] for x in e2e["rounds"]]  # as if nothing were deleted
     assert (run_dir / "report.png").is_file()
 
@@ -521,7 +522,7 @@ def test_a_moved_run_folder_and_checkout_continue(tmp_path, two_prompts):
     shutil.rmtree(first)
     before = files_under(second / "run", 0)
     lines = run(load_recipe(small_recipe(second, second / "data" / "p.txt", rounds=2), out=str(second / "run")))
-    assert [x["round"] for x in lines] == [0, 1] and files_under(second / "run", 0) == before
+    assert [x["round"] for x in lines] == [1, 2] and files_under(second / "run", 0) == before
     saved = tomllib.loads((second / "run" / "run.toml").read_text())
     assert saved["out"] == str(second / "run") and saved["rollout"]["prompts"] == str((second / "data" / "p.txt").resolve())
     # the same path with other prompts is another run
@@ -610,7 +611,7 @@ def test_sigkill_then_rerun_finishes(tmp_path, two_prompts):
     assert digests(round0) == kept
     assert marker.read_bytes() == round0_json
     rounds = read_jsonl(run_dir / layout.ROUNDS_FILE)
-    assert [x["round"] for x in rounds] == [0, 1, 2]
+    assert [x["round"] for x in rounds] == [1, 2, 3]
     for r in range(3):
         for stage in ("rollout", "score", "advantages", "train"):
             assert (layout.round_dir(run_dir, r) / stage / layout.MANIFEST).is_file()
@@ -649,3 +650,17 @@ def test_flux_recipes_carry_the_release_settings():
         assert (r.eval.steps, r.eval.family, r.train.mixed_precision) == (28, "flux", "bf16")
         assert r.train.lora_targets == list(flux.LORA_TARGETS) and (r.train.lora_rank, r.train.lora_alpha) == (64, 128)
     assert load_recipe(ROOT / "pipelines" / "sd35l-tpgrpo-pickscore.toml").rollout.family == "sd3"
+
+
+def test_rounds_count_from_one_in_rounds_jsonl_whatever_round_json_says(tmp_path):
+    """rounds.jsonl numbers each round by its folder (round-0000 is round 1), also for round.json files a
+    tpkit before 0.2 wrote with rounds counted from 0: a run folder of that version continues consistently."""
+    from tpkit import layout
+    from tpkit.run import write_rounds
+
+    for r, stored in ((0, 0), (1, 2)):  # an old summary, and one of this version
+        layout.round_dir(tmp_path, r).mkdir(parents=True)
+        layout.atomic_write_json(layout.round_dir(tmp_path, r) / layout.ROUND_JSON, {"round": stored, "reward_mean": r})
+    lines = write_rounds(tmp_path, 3)
+    assert [(x["round"], x["folder"], x["reward_mean"]) for x in lines] == [(1, "round-0000", 0), (2, "round-0001", 1)]
+    assert layout.read_jsonl(tmp_path / layout.ROUNDS_FILE) == lines

@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tpkit import geneval
-from tpkit import geneval_prompts as gp
-from tpkit import shapes
+from tpkit.geneval import judge as geneval
+from tpkit.geneval import prompts as gp
+from tpkit.shapes import scenes as shapes
+
+from conftest import DATA
 
 
 def test_vocabulary_is_genevals():
@@ -85,9 +87,7 @@ def test_splits_are_disjoint_and_cover_every_task():
 def test_shipped_prompt_files_are_what_the_command_writes(tmp_path):
     import subprocess
     import sys
-    from pathlib import Path
-
-    data = Path(shapes.__file__).resolve().parents[1] / "data"
+    data = DATA
     for split in ("train", "test"):
         out = tmp_path / f"{split}.jsonl"
         done = subprocess.run([sys.executable, "-m", "tpkit", "prompts", "shapes", "--split", split, "--out", str(out)],

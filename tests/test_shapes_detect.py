@@ -1,4 +1,4 @@
-"""tpkit.shapes_detect: the weight-free detector of shapes scenes, alone and as the GenEval judge's."""
+"""tpkit.shapes.detect: the weight-free detector of shapes scenes, alone and as the GenEval judge's."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from tpkit import geneval, shapes
+from tpkit.geneval import detectors
+from tpkit.shapes import scenes as shapes
 from tpkit.errors import RewardError
-from tpkit.shapes_detect import components, detect
+from tpkit.shapes.detect import components, detect
+
+from conftest import DATA
 
 
 def _iou(a, b) -> float:
@@ -134,14 +137,14 @@ def test_nothing_in_noise_and_off_palette_colours():
 
 
 def test_load_models_shapes_loads_no_clip():
-    detector, colours = geneval.load_models("shapes", "no/such-clip")
+    detector, colours = detectors.load_models("shapes", "no/such-clip")
     assert colours is None and detector.name == "shapes"
 
 
 def test_rewards_with_the_shapes_detector():
     from PIL import Image
 
-    from tpkit.rewards import load_rewards, score_images
+    from tpkit.rewards.registry import load_rewards, score_images
 
     rng = np.random.default_rng(3)
     scenes = [shapes.sample_scene(rng, task) for task in shapes.TAGS]
@@ -181,7 +184,7 @@ def test_worker_processes_detect_the_same():
     """workers=2: the images go to two spawned processes, the detections come back unchanged and in order."""
     from PIL import Image
 
-    from tpkit.shapes_detect import ShapesDetector
+    from tpkit.shapes.detect import ShapesDetector
 
     rng = np.random.default_rng(5)
     images = [Image.fromarray(shapes.render(shapes.sample_scene(rng, task))) for task in shapes.TAGS * 2]
@@ -191,9 +194,9 @@ def test_worker_processes_detect_the_same():
         assert pooled(images) == ShapesDetector()(images)
     finally:
         pooled._pool.shutdown()
-    assert geneval.load_models("shapes", workers=2)[0] is geneval.load_models("shapes", workers=2)[0]  # one pool
+    assert detectors.load_models("shapes", workers=2)[0] is detectors.load_models("shapes", workers=2)[0]  # one pool
     with pytest.raises(RewardError, match="workers must be an integer >= 0"):
-        from tpkit.rewards import load_rewards
+        from tpkit.rewards.registry import load_rewards
 
         load_rewards({"geneval": 1.0}, {"geneval": {"detector": "shapes", "workers": -1}})
     with pytest.raises(RewardError, match="workers applies to detector=shapes only"):
@@ -222,9 +225,9 @@ def test_eval_geneval_end_to_end(tmp_path):
 
     from tpkit import evaluate
     from tpkit.config import EvalConfig
-    from tpkit.geneval_prompts import prompt_key
+    from tpkit.geneval.prompts import prompt_key
 
-    metas = [json.loads(line) for line in open(shapes.__file__.replace("tpkit/shapes.py", "data/shapes-test.jsonl"))]
+    metas = [json.loads(line) for line in open(DATA / "shapes-test.jsonl")]
     rng = np.random.default_rng(0)
     _write_geneval_folder(tmp_path / "right", metas, [[shapes.scene_for(m, rng)] for m in metas])
     cmd = [sys.executable, "-m", "tpkit", "eval", "geneval", "--images", str(tmp_path / "right"), "--detector",

@@ -9,7 +9,7 @@ import pytest
 import numpy as np
 import torch
 
-from tpkit import shapes_model as sm
+from tpkit.shapes import model as sm
 
 TINY = sm.Arch(vae_channels=(8, 8, 8), latent_channels=4, vae_groups=4, layers=1, heads=2, head_dim=8,
                clip_hidden=16, clip_layers=1, clip_heads=2)
@@ -22,7 +22,7 @@ def tiny_recipe(**kw) -> sm.Recipe:
 
 
 def test_every_caption_word_is_one_token():
-    from tpkit import shapes
+    from tpkit.shapes import scenes as shapes
 
     tok = sm.word_tokenizer(sm.caption_words())
     for m in shapes.prompts("train")[::7] + shapes.prompts("test")[::7]:
@@ -127,7 +127,7 @@ def test_tiny_shapes_ships_with_the_package_and_generates(monkeypatch):
 def test_the_shipped_tiny_shapes_draws_what_it_is_asked():
     """A regression floor for the shipped weights, on train prompts with the model's own sampler
     settings (guidance 2.0): colours come out right in most images (0.84 held out, 40 steps)."""
-    from tpkit import shapes
+    from tpkit.shapes import scenes as shapes
 
     meta = [m for m in shapes.prompts("train", n=8) if m["tag"] == "colors"]
     acc = sm.accuracy("tiny-shapes", meta, images_per_prompt=2, steps=20, seed=3)
@@ -144,7 +144,7 @@ def test_flow_learning_rate_warms_up_holds_then_cools_down_to_zero():
 
 
 def test_task_weights_set_the_flow_data_mix():
-    from tpkit import shapes
+    from tpkit.shapes import scenes as shapes
 
     only = tuple(1.0 if t == "counting" else 0.0 for t in shapes.TAGS)
     scenes = sm.random_scenes(np.random.default_rng(0), 40, only)
@@ -171,7 +171,7 @@ def test_pretrain_shapes_refuses_a_bad_task_weight(tmp_path, capsys, arg, says):
 
 
 def test_a_run_refuses_to_continue_with_another_task_mix(tmp_path):
-    from tpkit import shapes
+    from tpkit.shapes import scenes as shapes
     from tpkit.errors import ConfigError
 
     r = tiny_recipe()

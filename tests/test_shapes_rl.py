@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tpkit import layout
+from tpkit import evaluate, layout
 from tpkit.config import load_recipe
 
 RECIPE = Path(__file__).resolve().parents[1] / "pipelines" / "shapes-tpgrpo.toml"
@@ -45,21 +45,21 @@ def test_one_round_of_the_main_job(tmp_path):
     assert line["reward_by_task"] == pytest.approx({t: np.mean(v) for t, v in by_task.items()}, abs=1e-3)
     assert sum(len(v) for v in by_task.values()) == line["n"]
     # the run evaluated the base model once, then the round's adapter, on the held-out prompts
-    base = run.base_eval(tmp_path / "run")
+    base = evaluate.base_eval(tmp_path / "run")
     assert base is not None and 0 <= base["geneval_overall"] <= 1
     assert 0 < base["geneval_overall_se"] < 0.2  # over 96 prompts: report.png's error bars
     assert line["eval"] is not None and 0 <= line["eval"]["geneval_overall"] <= 1
     # and the run's verdict pairs the two evaluations over the same prompts
-    change = run.heldout_change(tmp_path / "run", lines)
-    assert change["round"] == 0 and change["metric"] == "geneval_overall"
+    change = evaluate.heldout_change(tmp_path / "run", lines)
+    assert change["round"] == 1 and change["metric"] == "geneval_overall"
     assert change["base"] == base["geneval_overall"] and change["last"] == line["eval"]["geneval_overall"]
     assert abs(change["delta"] - (change["last"] - change["base"])) < 1e-12
     # report.png's images: the same held-out prompts and seeds before and after, with GenEval's verdicts
     from tpkit import report
 
-    before, after = report.eval_cells(tmp_path / "run" / run.BASE_EVAL), report.eval_cells(run.eval_dir(tmp_path / "run", 0))
+    before, after = report.eval_cells(tmp_path / "run" / layout.BASE_EVAL), report.eval_cells(layout.eval_dir(tmp_path / "run", 0))
     assert len(before) == len(after) == report.GRID_IMAGES and [c[1] for c in before] == [c[1] for c in after]
-    rows = sorted((r for r in layout.read_jsonl(tmp_path / "run" / run.BASE_EVAL / "results.jsonl") if r["sample"] == 0),
+    rows = sorted((r for r in layout.read_jsonl(tmp_path / "run" / layout.BASE_EVAL / "results.jsonl") if r["sample"] == 0),
                   key=lambda r: r["index"])
     picked = [rows[i * len(rows) // report.GRID_IMAGES] for i in range(report.GRID_IMAGES)]  # evenly over the file
     assert [(c[1], c[2]) for c in before] == [(r["prompt"], r["correct"]) for r in picked]
@@ -82,32 +82,31 @@ def _eval_folder(folder: Path, correct: list[int]) -> None:
 
 
 def test_heldout_verdict_by_hand(tmp_path):
-    from tpkit import run
     from tpkit.show import heldout_verdict
 
     # base right on prompt 0 only, the round on prompts 0-2: paired differences 0, 1, 1, 0
-    _eval_folder(tmp_path / run.BASE_EVAL, [1, 0, 0, 0])
-    _eval_folder(run.eval_dir(tmp_path, 2), [1, 1, 1, 0])
-    lines = [{"round": r, "eval": {"geneval_overall": 0.75} if r == 2 else None} for r in range(3)]
-    c = run.heldout_change(tmp_path, lines)
+    _eval_folder(tmp_path / layout.BASE_EVAL, [1, 0, 0, 0])
+    _eval_folder(layout.eval_dir(tmp_path, 2), [1, 1, 1, 0])
+    lines = [{"round": r, "eval": {"geneval_overall": 0.75} if r == 3 else None} for r in (1, 2, 3)]
+    c = evaluate.heldout_change(tmp_path, lines)
     se = np.std([0, 1, 1, 0], ddof=1) / 2  # sqrt(1/3) / 2 = 0.289: the 95 % half-width 0.566 exceeds +0.5
-    assert c["round"] == 2 and c["base"] == 0.25 and c["last"] == 0.75 and c["delta"] == 0.5
+    assert c["round"] == 3 and c["base"] == 0.25 and c["last"] == 0.75 and c["delta"] == 0.5
     assert abs(c["delta_se"] - se) < 1e-12
     assert "+0.500 ± 0.566" in heldout_verdict(c) and "not distinguishable" in heldout_verdict(c)
     assert "after 3 rounds" in heldout_verdict(c)
     # all four prompts fixed: a clear gain; all four broken: worse than the base model
     assert "noise" not in heldout_verdict(dict(c, delta=1.0, delta_se=0.0))
     assert "worse than the base" in heldout_verdict(dict(c, delta=-1.0, delta_se=0.0))
-    assert run.heldout_change(tmp_path, lines[:2]) is None  # no evaluated round yet
+    assert evaluate.heldout_change(tmp_path, lines[:2]) is None  # no evaluated round yet
 
 
 def test_task_rows_by_hand():
     from tpkit.show import task_rows
 
-    lines = [{"round": 0, "reward_by_task": {"colors": 0.5, "counting": 0.25}, "eval": None},
-             {"round": 1, "reward_by_task": {"colors": 0.75}, "eval": {"geneval_overall": 0.5, "geneval_overall_se": 0.1,
+    lines = [{"round": 1, "reward_by_task": {"colors": 0.5, "counting": 0.25}, "eval": None},
+             {"round": 2, "reward_by_task": {"colors": 0.75}, "eval": {"geneval_overall": 0.5, "geneval_overall_se": 0.1,
                                                                        "geneval_colors": 0.9, "geneval_position": 0.1}}]
     base = {"geneval_overall": 0.4, "geneval_colors": 0.8, "geneval_position": 0.0}
     assert task_rows(lines, base) == [("colors", 0.5, 0.75, 0.8, 0.9), ("counting", 0.25, None, None, None),
                                       ("position", None, None, 0.0, 0.1)]
-    assert task_rows([{"round": 0, "reward_by_task": None, "eval": {"pickscore": 0.2}}], None) == []  # no GenEval task
+    assert task_rows([{"round": 1, "reward_by_task": None, "eval": {"pickscore": 0.2}}], None) == []  # no GenEval task

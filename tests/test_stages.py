@@ -25,7 +25,7 @@ from PIL import Image
 from tpkit import formulas, layout, rollout, score
 from tpkit.config import RolloutConfig, ScoreConfig, parse_reward_specs
 from tpkit.errors import RewardError
-from tpkit.rewards import BUILTIN, component_column
+from tpkit.rewards.registry import BUILTIN, component_column
 
 T, K, PROMPTS, GROUP = 10, 9, 2, 4
 N = PROMPTS * GROUP

@@ -11,7 +11,7 @@ from conftest import cli
 from PIL import Image
 
 from tpkit import layout, trajectory
-from tpkit.rewards import BUILTIN
+from tpkit.rewards.registry import BUILTIN
 
 
 def test_the_images_shown_are_what_was_scored(tiny_run, tmp_path):

@@ -3,4 +3,4 @@
 Importing tpkit imports nothing heavy (no torch, no diffusers): the CLI stays fast.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

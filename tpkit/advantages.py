@@ -98,7 +98,7 @@ def reward_matrix(table, source: str, method: str) -> RewardMatrix:
 
 @dataclass
 class Advantages:
-    """Every per-(trajectory, step) quantity of DESIGN.md section 2, each [N, K]."""
+    """Every per-(trajectory, step) quantity of docs/design.md section 2, each [N, K]."""
 
     d: np.ndarray
     agg: np.ndarray

@@ -4,9 +4,7 @@ Each command parses options, builds a config, calls `tpkit.<stage>.run(cfg)` and
 summary. An option that sets a config field takes its default and help from the field (`opt`): each
 is declared once, in `tpkit.config`. Stage modules (and torch) are imported inside the commands so
 `tpkit --help` is fast.
-Errors: tpkit's own print in one or two lines (exit 2), usage errors too (the flag, the value, the
-expected type or the nearest flag; typer's own copy of click is caught, not only click's); anything
-else in one line (exit 1); `--debug` anywhere on the command line shows the traceback instead.
+How errors are reported (one or two lines, an exit code, `--debug` for tracebacks): `tpkit.cli_errors`.
 """
 
 from __future__ import annotations
@@ -21,7 +19,8 @@ import typer
 
 from tpkit import config
 from tpkit.config import AdvantagesConfig, CompareConfig, EvalConfig, RolloutConfig, ScoreConfig, TrainConfig, field_help
-from tpkit.errors import InputError, TpkitError
+from tpkit import cli_errors
+from tpkit.errors import InputError
 
 app = typer.Typer(
     name="tpkit", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -229,6 +228,7 @@ def run_recipe(
                                                      "offline without network); default: the recipe's log_with."),
 ) -> None:
     """Rounds of rollout -> score -> advantages -> train from one recipe; rerun to continue."""
+    from tpkit import evaluate
     from tpkit import run as stage
     from tpkit.config import load_recipe
     from tpkit.show import rounds_view
@@ -236,7 +236,7 @@ def run_recipe(
     r = load_recipe(recipe, set_, rounds=rounds, out=str(out) if out else None, log_with=log_with)
     lines = stage.run(r, overwrite=overwrite)
     if lines:  # the main process reports; the others return nothing
-        rounds_view(lines, stage.base_eval(Path(r.out)), stage.heldout_change(Path(r.out), lines))
+        rounds_view(lines, evaluate.base_eval(Path(r.out)), evaluate.heldout_change(Path(r.out), lines))
         _done(Path(r.out))
 
 
@@ -358,7 +358,7 @@ def prompts_geneval(
     overwrite: bool = typer.Option(False, help="Replace --out if it exists."),
 ) -> None:
     """GenEval-style train/test prompt sets (80 COCO classes, counts, colours, relations)."""
-    from tpkit.geneval_prompts import run as write_prompts
+    from tpkit.geneval.prompts import run as write_prompts
     from tpkit.ui import console
 
     _new_file(out, overwrite)
@@ -376,7 +376,7 @@ def prompts_shapes(
     overwrite: bool = typer.Option(False, help="Replace --out if it exists."),
 ) -> None:
     """GenEval metadata for scenes of coloured shapes (the tiny-shapes testbed), six tasks."""
-    from tpkit.shapes import write_prompts
+    from tpkit.shapes.scenes import write_prompts
     from tpkit.ui import console
 
     out = out or Path("data") / f"shapes-{split}.jsonl"
@@ -446,7 +446,7 @@ def rewards() -> None:
     """List the built-in rewards and what each needs."""
     from rich.table import Table
 
-    from tpkit.rewards import BUILTIN
+    from tpkit.rewards.registry import BUILTIN
     from tpkit.ui import out as console
 
     t = Table(title="built-in rewards (or module:function for your own)", title_justify="left")
@@ -466,27 +466,14 @@ def pretrain_shapes(
                                           "flow data (repeatable; unnamed tasks weigh 1; default: the recipe's)."),
 ) -> None:
     """Pretrain the `tiny-shapes` model from scratch (fixed seed; resumable: rerun the same command)."""
-    from tpkit import shapes, shapes_model
+    from tpkit.shapes import model
 
-    recipe = shapes_model.Recipe()
+    recipe = model.Recipe()
     if flow_steps is not None:
         recipe.flow_steps = flow_steps
     if task_weight:
-        weights = dict(zip(shapes.TAGS, recipe.task_weights or [1.0] * len(shapes.TAGS)))
-        for item in task_weight:
-            tag, _, w = item.partition("=")
-            try:
-                w = float(w)
-            except ValueError:
-                w = -1.0
-            if tag not in weights or not 0 <= w < float("inf"):
-                raise InputError(f"--task-weight {item!r} is not TAG=W with a finite weight >= 0",
-                                 f"TAG is one of {', '.join(shapes.TAGS)}, e.g. --task-weight counting=1.5")
-            weights[tag] = w
-        if sum(weights.values()) <= 0:
-            raise InputError("--task-weight gives every task weight 0", "give at least one task a positive weight")
-        recipe.task_weights = tuple(weights[t] for t in shapes.TAGS)
-    shapes_model.train(out, recipe, max_minutes=max_minutes)
+        recipe.task_weights = model.task_weights(task_weight, recipe.task_weights)
+    model.train(out, recipe, max_minutes=max_minutes)
 
 
 def _new_file(out: Path, overwrite: bool) -> None:
@@ -512,132 +499,24 @@ def _done(out: Path) -> None:
     console.print(f"[green]done[/]: {out}")
 
 
-def _click_exceptions() -> tuple:
-    """Typer ships its own copy of click (typer._click): its usage errors are not click's classes."""
-    import click
+def _version(value: bool) -> None:
+    if value:
+        from tpkit import __version__
 
-    import typer.exceptions
+        print(f"tpkit {__version__}")
+        raise typer.Exit()
 
-    mods = [click.exceptions, typer.exceptions]
-    try:
-        from typer._click import exceptions as typer_click
 
-        mods.append(typer_click)
-    except ImportError:
-        pass
-    return mods
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print tpkit's version and exit.")) -> None:
+    pass  # the app's help is the Typer(help=...) above; this callback only adds --version
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
-    argv = [a for a in argv if a != "--debug"]
-    argv = _take_threads(argv)
-    mods = _click_exceptions()
-
-    def classes(name: str) -> tuple:
-        return tuple({getattr(m, name) for m in mods if isinstance(getattr(m, name, None), type)})
-
-    help_shown, usage, clicked = classes("NoArgsIsHelpError"), classes("UsageError"), classes("ClickException")
-    exited, aborted = classes("Exit"), classes("Abort")
-
-    try:
-        code = app(args=argv, prog_name="tpkit", standalone_mode=False)  # typer.Exit(n) comes back as n
-        if isinstance(code, int) and code:
-            sys.exit(code)
-    except TpkitError as e:
-        if debug:
-            raise
-        _error(str(e))
-        sys.exit(e.exit_code)
-    except help_shown as e:  # bare `tpkit` or `tpkit eval`: the help (typer may have printed it already)
-        text = e.format_message()
-        if text.strip():
-            print(text)
-        sys.exit(0)
-    except exited as e:
-        sys.exit(e.exit_code)
-    except usage as e:
-        if debug:
-            raise
-        _error(_usage_message(e, argv))
-        sys.exit(2)
-    except clicked as e:
-        if debug:
-            raise
-        _error(e.format_message())
-        sys.exit(e.exit_code or 1)
-    except (*aborted, KeyboardInterrupt):
-        _error("interrupted; rerun the same command to finish (finished files are kept)")
-        sys.exit(130)
-    except Exception as e:
-        if debug:
-            raise
-        _error(f"{type(e).__name__}: {e}".splitlines()[0][:300] + "\n  (rerun with --debug for the traceback)")
-        sys.exit(1)
-
-
-def _usage_message(e, argv: list[str]) -> str:
-    """A usage error in tpkit's voice: what was wrong with which flag, the expected value, the fix."""
-    import difflib
-
-    ctx = getattr(e, "ctx", None)
-    command = ctx.command_path if ctx is not None else \
-        "tpkit" + (f" {argv[0]}" if argv and not argv[0].startswith("-") else "")
-    fix = f"  fix: see `{command} --help`"
-    param = getattr(e, "param", None)
-    kind = type(e).__name__
-    if kind == "NoSuchOption":
-        name = getattr(e, "option_name", "") or ""
-        known = [o for p in (ctx.command.params if ctx is not None else []) for o in getattr(p, "opts", [])
-                 if o.startswith("-")] + ["--help"]
-        near = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-        return f"no such option {name}" + (f" (did you mean {near[0]}?)" if near else "") + "\n" + fix
-    if kind == "MissingParameter":
-        what = "option" if param is not None and getattr(param, "param_type_name", "") == "option" else "argument"
-        names = "/".join(param.opts) if param is not None else ""
-        if what == "argument" and param is not None:
-            names = (getattr(param, "metavar", None) or param.name.upper())
-        return f"missing {what} {names}\n" + fix
-    if param is not None and getattr(param, "opts", None):
-        flag = param.opts[0]
-        given = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a in param.opts), None)
-        default = getattr(param, "default", None)
-        example = f"e.g. {flag} {' '.join(map(str, default)) if isinstance(default, (tuple, list)) else default}" \
-            if default not in (None, "", [], ()) and not isinstance(default, bool) else ""
-        msg = getattr(e, "message", str(e))
-        return (f"{flag}{f' {given!r}' if given is not None else ''}: {msg[:1].lower() + msg[1:]}\n"
-                f"  fix: {example + ' (' if example else ''}see `{command} --help`{')' if example else ''}")
-    text = e.format_message() if hasattr(e, "format_message") else str(e)
-    return f"{text[:1].lower() + text[1:]}\n" + fix
-
-
-def _take_threads(argv: list[str]) -> list[str]:
-    """`--threads N` anywhere on the command line: CPU threads of this process (TPKIT_THREADS), e.g.
-    1 each for two runs side by side on 2 cores. Default: the cores divided by the local processes."""
-    out, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--threads" or a.startswith("--threads="):
-            value = a.partition("=")[2] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
-            i += 1 if "=" in a else 2
-            if not value.isdigit() or int(value) < 1:
-                _error(f"--threads {value!r} is not a positive integer\n  fix: e.g. --threads 1 for each of two runs on 2 cores")
-                sys.exit(2)
-            import os
-
-            os.environ["TPKIT_THREADS"] = value
-            continue
-        out.append(a)
-        i += 1
-    return out
-
-
-def _error(text: str) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(text)}", highlight=False)
+    """The `tpkit` entry point: `app` with tpkit's errors, usage errors and crashes in one or two lines
+    (`--debug` anywhere: the traceback instead) and `--threads N` taken first."""
+    cli_errors.run(app, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

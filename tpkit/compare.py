@@ -20,14 +20,14 @@ import csv
 import dataclasses
 import io
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 
-from tpkit import layout
+from tpkit import evaluate, layout
 from tpkit.config import CompareConfig, EvalConfig, to_dict
-from tpkit.evaluate import GENEVAL_TASKS, RESULTS
+from tpkit.evaluate import GENEVAL_TASKS, RESULTS, paired_cell
+from tpkit.ui import console
 
 MANIFEST_STAGE = "eval-compare"
 OUTPUTS = ("compare.md", "compare.csv", "compare.json", "grid.png")
@@ -51,10 +51,6 @@ def entry_configs(cfg: CompareConfig) -> list[tuple[str, EvalConfig, EvalConfig 
 
 
 def run(cfg: CompareConfig) -> dict | None:
-    from tpkit import evaluate
-    from tpkit.run import wait_for
-    from tpkit.ui import console
-
     # 1. Every entry's configuration, checked before any work.
     cfg.validate()
     entries = entry_configs(cfg)
@@ -62,10 +58,10 @@ def run(cfg: CompareConfig) -> dict | None:
     for name, ev, judge in entries:
         console.rule(f"[bold]{name}[/]: {ev.model}" + (f" + {ev.lora}" if ev.lora else ""))
         evaluate.run(ev)
-        wait_for(Path(ev.out) / layout.MANIFEST, f"the evaluation of {name}")
+        layout.wait_for(Path(ev.out) / layout.MANIFEST, f"the evaluation of {name}")
         if judge:
             evaluate.run(judge)
-            wait_for(Path(judge.out) / layout.MANIFEST, f"GenEval of {name}")
+            layout.wait_for(Path(judge.out) / layout.MANIFEST, f"GenEval of {name}")
     if entries[0][1].rank != 0:
         return None
     # 3. The table, the grid and the manifest (main process).
@@ -96,52 +92,6 @@ def _results(ev: EvalConfig, judge: EvalConfig | None) -> list[dict]:
         rows = [dict(r, correct=verdicts[(r["index"], r["sample"])]["correct"],
                      tag=verdicts[(r["index"], r["sample"])]["tag"]) for r in rows]
     return rows
-
-
-def _per_prompt(rows: list[dict], column: str) -> dict[int, float]:
-    by: dict[int, list[float]] = {}
-    for r in rows:
-        by.setdefault(r["index"], []).append(float(r[column]))
-    return {i: float(np.mean(v)) for i, v in by.items()}
-
-
-def _se(values) -> float:
-    v = np.asarray(list(values), dtype=float)
-    return float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
-
-
-def paired_cell(rows: list[dict], base: list[dict] | None, metric: str) -> dict:
-    """mean, se, n (prompts) of one metric over evaluation results rows; with `base` (the same prompts and
-    seeds), the paired difference and its se."""
-    if metric.startswith("geneval"):
-        return _geneval_cell(rows, base, metric)
-    mine = _per_prompt(rows, metric)
-    cell = {"mean": float(np.mean([r[metric] for r in rows])), "se": _se(mine.values()), "n": len(mine)}
-    if base is not None:
-        theirs = _per_prompt(base, metric)
-        d = [mine[i] - theirs[i] for i in mine]
-        cell |= {"delta": float(np.mean(d)), "delta_se": _se(d)}
-    return cell
-
-
-def _geneval_cell(rows: list[dict], base: list[dict] | None, metric: str) -> dict:
-    """geneval_overall (mean of task accuracies) or geneval_<task>."""
-    tasks = [t for t in GENEVAL_TASKS if any(r["tag"] == t for r in rows)]
-    if metric != "geneval_overall":
-        tasks = [metric.removeprefix("geneval_")]
-    parts = []
-    for t in tasks:
-        mine = _per_prompt([r for r in rows if r["tag"] == t], "correct")
-        theirs = _per_prompt([r for r in base if r["tag"] == t], "correct") if base is not None else None
-        d = [mine[i] - theirs[i] for i in mine] if theirs is not None else None
-        parts.append((np.mean(list(mine.values())), _se(mine.values()), len(mine),
-                      np.mean(d) if d else None, _se(d) if d else None))
-    k = len(parts)
-    cell = {"mean": float(np.mean([p[0] for p in parts])), "se": math.sqrt(sum(p[1] ** 2 for p in parts)) / k,
-            "n": sum(p[2] for p in parts)}
-    if base is not None:
-        cell |= {"delta": float(np.mean([p[3] for p in parts])), "delta_se": math.sqrt(sum(p[4] ** 2 for p in parts)) / k}
-    return cell
 
 
 def build_table(results: dict[str, list[dict]]) -> dict:

@@ -14,11 +14,10 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tpkit import models
 from tpkit.errors import ConfigError
+from tpkit.models.names import TINY_MODEL
 
-TINY_MODEL = "tiny-sd3"  # random, built locally: proves plumbing
-SHAPES_MODEL = "tiny-shapes"  # pretrained on coloured-shape scenes, shipped in the package: shows learning
-FLUX_MODEL = "tiny-flux"  # random FLUX.1 in miniature, built locally: proves the FLUX plumbing
 SAMPLERS = ("sde", "cps")
 METHODS = ("tp-grpo", "flow-grpo")
 BRANCHES = ("all", "final")
@@ -130,8 +129,6 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 def _model_defaults(cfg) -> None:
     """Fill a sampling config's family, resolution, text length and guidance from its model."""
-    from tpkit import models
-
     if cfg.family is None:
         cfg.family = models.family_of(cfg.model)
     _choice("family", cfg.family, tuple(models.FAMILIES))
@@ -339,8 +336,6 @@ class CompareConfig:
 def lora_targets(targets: list[str] | None, family: str) -> list[str]:
     """The adapter's target modules: the family's default (the release's) when None, else the
     user's, each one of the family's known names (a bare `to_q` would match more than meant)."""
-    from tpkit import models
-
     d = models.family(family).DEFAULTS
     if targets is None:
         return list(d["lora_targets"])

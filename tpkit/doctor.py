@@ -16,7 +16,7 @@ the HF cache, complete); each reward (known, its optional extras, its model file
 
 What is checked comes from where it is declared: versions and extras from pyproject (tpkit's
 metadata), a model's sizes and pipeline class from its family (`tpkit.models`), a reward's extra
-and model files from the reward (`tpkit.rewards.REQUIREMENTS`).
+and model files from the reward (`tpkit.rewards.registry.REQUIREMENTS`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from tpkit.config import FLUX_MODEL, SHAPES_MODEL, TINY_MODEL
+import tpkit
+from tpkit import hub, layout, models
+from tpkit.config import load_recipe, parse_reward_options, parse_reward_specs
+from tpkit.errors import RewardError, TpkitError
+from tpkit.models.names import FLUX_MODEL, SHAPES_MODEL, TINY_MODEL
+from tpkit.rewards.registry import BUILTIN, REQUIREMENTS, check_names
+from tpkit.runtime import quiet_libraries, tpkit_home
+from tpkit.ui import out
 
 GiB = 1024**3
 MiB = 1024**2
@@ -49,7 +56,7 @@ CORE_PACKAGES = ("diffusers", "transformers", "peft", "accelerate", "pyarrow", "
                  "safetensors")
 TORCHVISION_FIX = "pip uninstall torchvision (a torchvision built for another torch breaks transformers/diffusers)"
 
-# Files a model folder must hold, by the kind of model a reward loads (see tpkit.rewards.REQUIREMENTS).
+# Files a model folder must hold, by the kind of model a reward loads (see tpkit.rewards.registry.REQUIREMENTS).
 # Each entry is a group of alternatives; "@weights" means weight files (single or sharded, every shard present).
 _CONFIG = ("config.json",)
 _WEIGHTS = ("@weights",)
@@ -132,8 +139,6 @@ def _requirements(dist: str = "tpkit") -> dict[str, dict[str, str]]:
 
 def _pyproject_requirements() -> list[str]:
     """pyproject.toml's requirements, written as the installed metadata writes them."""
-    import tpkit
-
     try:
         import tomllib
 
@@ -335,8 +340,6 @@ def _check_folder(ctx: _Context, label: str, id_or_path: str, first_files: Itera
 
 
 def _check_python(ctx: _Context) -> None:
-    import tpkit
-
     v = sys.version_info
     ctx.add("python", v >= (3, 10), f"Python {v.major}.{v.minor}.{v.micro} ({sys.executable})",
             "use Python 3.10 or newer")
@@ -472,9 +475,6 @@ def _check_pipeline_imports(ctx: _Context, model: str, mins: dict[str, str]) -> 
         ctx.add("pipeline", False, "skipped: torch does not import", "fix torch first")
         return
     try:
-        from tpkit import models
-        from tpkit.runtime import quiet_libraries
-
         quiet_libraries()  # as every stage does: no info notices from the libraries
         cls = models.family(models.family_of(model)).MODEL.PIPELINE
         import diffusers
@@ -530,8 +530,6 @@ def estimate_round_bytes(recipe, cuda: bool) -> tuple[int, int, str] | None:
         return None
     prompts = min(ro.prompts_per_round, n) if ro.prompts_per_round else n
     trajectories = prompts * ro.group_size
-    from tpkit import models
-
     sz = models.default(ro.model, "sizes", ro.family)  # the family's (SD3.5-Medium, FLUX.1-dev) or a tiny model's
     res, k = int(ro.resolution), ro.window_size
     latent = sz["latent_channels"] * (res // sz["vae_factor"]) ** 2 * 4
@@ -556,11 +554,8 @@ def _check_run_folder(ctx: _Context, run_dir: Path, recipe) -> None:
     detail = f"{_gib(free)} free in {base}"
     estimate = estimate_round_bytes(recipe, ctx.cuda) if recipe is not None else None
     if estimate is not None:
-        from tpkit import layout
-        from tpkit.run import ROUND_JSON
-
         per_round, shards, how = estimate
-        left = sum(1 for r in range(recipe.rounds) if not (layout.round_dir(run_dir, r) / ROUND_JSON).is_file())
+        left = sum(1 for r in range(recipe.rounds) if not (layout.round_dir(run_dir, r) / layout.ROUND_JSON).is_file())
         need = per_round * left
         if recipe.keep_rounds:  # shards of round 0 and the last keep_rounds stay; older rounds' are deleted
             need -= shards * max(0, left - recipe.keep_rounds - 1)
@@ -602,8 +597,6 @@ def _check_model(ctx: _Context, model: str, where: str) -> None:
 def _check_builtin_model(ctx: _Context, model: str) -> None:
     """tiny-shapes ships inside the package; tiny-sd3 and tiny-flux are built on first use."""
     try:
-        from tpkit import models
-
         path = models.family(models.family_of(model)).location(model)
     except Exception as e:
         ctx.add("model", False, f"{model}: cannot import tpkit.models: {_first_line(e)}", "fix torch/diffusers first")
@@ -659,9 +652,6 @@ def _check_file(ctx: _Context, label: str, spec: str, alternative: str) -> None:
 def _check_reward(ctx: _Context, name: str, source: str, requirements: dict[str, dict[str, str]]) -> bool:
     """Is the reward known (built in, or module:function whose module imports), are its extras there?
     True when its model files are worth checking."""
-    from tpkit.errors import RewardError
-    from tpkit.rewards import BUILTIN, REQUIREMENTS, check_names
-
     try:
         check_names({name: 1.0})
     except RewardError as e:
@@ -690,8 +680,6 @@ def _check_rewards(ctx: _Context, wanted: list[tuple[str, dict, str]], requireme
 
     Each reward is checked once (its extras), its model files each time it is named (the options may
     differ); a model that several rewards use is checked once, with everything they need."""
-    from tpkit.rewards import REQUIREMENTS
-
     usable: dict[str, bool] = {}  # reward -> known, and its extras are fine
     models: dict[tuple, dict] = {}  # (id or path, a file?) -> {"kinds": [...], "users": [...], "option": str | None}
     for name, options, source in wanted:
@@ -731,8 +719,6 @@ def _check_rewards(ctx: _Context, wanted: list[tuple[str, dict, str]], requireme
 
 def _probe_hub() -> bool:
     """hub.hub_reachable, also bounded when name resolution itself hangs (no network at all)."""
-    from tpkit import hub
-
     result: dict[str, bool] = {}
 
     def probe() -> None:
@@ -761,8 +747,6 @@ def _check_hub(ctx: _Context) -> None:
 
 def _check_homes(ctx: _Context, need_downloads: bool) -> None:
     try:
-        from tpkit.runtime import tpkit_home
-
         home = tpkit_home()
     except Exception:
         home = Path(os.environ.get("TPKIT_HOME", "~/.cache/tpkit")).expanduser()
@@ -801,8 +785,6 @@ def run(recipe: str | None = None, out: str | None = None, model: str | None = N
 
     rewards: NAME[=WEIGHT] as for --reward; reward_opts: NAME.OPTION=VALUE as for --reward-opt.
     Never raises for a problem it finds: every problem is a failed Check."""
-    from tpkit.errors import TpkitError
-
     ctx = _Context()
     requirements = _requirements()
     mins = requirements.get("", {})
@@ -811,8 +793,6 @@ def run(recipe: str | None = None, out: str | None = None, model: str | None = N
     loaded, recipe_check = None, None
     if recipe is not None:
         try:
-            from tpkit.config import load_recipe
-
             # --model replaces the recipe's model (as `--set rollout.model=...`: its default resolution follows)
             overrides = [f"rollout.model={json.dumps(model)}"] if model else []
             loaded = load_recipe(recipe, overrides=overrides, out=out)
@@ -851,8 +831,6 @@ def run(recipe: str | None = None, out: str | None = None, model: str | None = N
             names = ["geneval"] if ev.kind == "geneval" else list(ev.rewards)
             wanted += [(name, dict(ev.reward_options.get(name, {})), "eval") for name in names]
     try:
-        from tpkit.config import parse_reward_options, parse_reward_specs
-
         cli_opts = parse_reward_options(list(reward_opts))
         for name in parse_reward_specs(list(rewards)):
             wanted.append((name, cli_opts.get(name, {}), "--reward"))
@@ -890,8 +868,6 @@ def render(checks: list[Check]) -> None:
     """The checks as a table on stdout (tpkit.ui.out), then a one-line verdict."""
     from rich.markup import escape
     from rich.table import Table
-
-    from tpkit.ui import out
 
     t = Table(title="tpkit doctor", title_justify="left", show_lines=False)
     t.add_column("", no_wrap=True)

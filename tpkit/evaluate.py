@@ -24,10 +24,17 @@ from typing import Callable
 
 import numpy as np
 
-from tpkit import layout
+from tpkit import formulas, layout, models, runtime
 from tpkit.config import EvalConfig, to_dict
-from tpkit.errors import ConfigError, InputError
+from tpkit.errors import ConfigError, InputError, RewardError
+from tpkit.geneval import detectors
+from tpkit.geneval.judge import check_meta
+from tpkit.geneval.prompts import official_like_test_set
+from tpkit.rewards.registry import load_rewards, score_images
+from tpkit.rollout import derive_seed
+from tpkit.runtime import png_bytes
 from tpkit.timing import Phases
+from tpkit.ui import track
 
 RESULTS, SUMMARY = "results.jsonl", "summary.json"
 
@@ -53,10 +60,6 @@ def generate(model, prompts: list[layout.Prompt], indices: list[int], cfg: EvalC
     layout. Transformer batches are cut from all the batch's images, not only the missing ones, so
     a resumed run computes every image in the same batch as an uninterrupted one."""
     import torch
-
-    from tpkit import formulas
-    from tpkit.rollout import derive_seed
-    from tpkit.runtime import png_bytes
 
     sigmas = model.sigmas(cfg.steps, cfg.resolution)
     shape = model.latent_shape(cfg.resolution)
@@ -90,22 +93,16 @@ def read_images(folder: Path) -> tuple[list, list[Path]]:
 
 
 def score_prompt_rewards(rewards, prompt: layout.Prompt, images: list) -> list[dict]:
-    from tpkit.rewards import score_images
-
     cols = score_images(rewards, images, [prompt.prompt] * len(images), [prompt.metadata] * len(images))
     bad = sorted({j for vals in cols.values() for j, v in enumerate(vals) if not math.isfinite(v)})
     if bad:
-        from tpkit.errors import RewardError
-
         raise RewardError(f"prompt {prompt.prompt_id} ({prompt.prompt!r}): reward is NaN or infinite for image(s) "
                           f"{', '.join(map(str, bad))}", "fix the reward function; nothing was written for this prompt")
     return [{name: vals[j] for name, vals in cols.items()} for j in range(len(images))]
 
 
 def score_prompt_geneval(judge_models, prompt: layout.Prompt, images: list) -> list[dict]:
-    from tpkit import geneval
-
-    judgements = geneval.detect_and_judge(images, [prompt.metadata] * len(images), *judge_models)
+    judgements = detectors.detect_and_judge(images, [prompt.metadata] * len(images), *judge_models)
     return [dict(correct=bool(jd.correct), strict=float(jd.strict), score=float(jd.score), reason=jd.reason,
                  detections=_jsonable(getattr(jd, "detections", None))) for jd in judgements]
 
@@ -123,18 +120,14 @@ def run(cfg: EvalConfig) -> dict | None:
     # (before --overwrite clears anything).
     prompts, folders = _load_prompts(cfg)
     if cfg.kind == "geneval":
-        from tpkit import geneval
-
         for p in prompts:
             try:
-                geneval.check_meta(p.metadata)
+                check_meta(p.metadata)
             except ValueError as e:
                 raise InputError(f"prompt {p.prompt_id} ({p.prompt!r}): not GenEval metadata ({e})",
                                  "pass GenEval metadata (evaluation_metadata.jsonl or `tpkit prompts geneval`)") from None
         scorer = _geneval_scorer(cfg)
     else:
-        from tpkit.rewards import load_rewards
-
         rewards = load_rewards(cfg.rewards, cfg.reward_options)
         scorer = lambda p, images: score_prompt_rewards(rewards, p, images)  # noqa: E731
     ident = identity(cfg)
@@ -155,9 +148,6 @@ def identity(cfg: EvalConfig) -> dict:
 
 
 def _run(cfg: EvalConfig, ident: dict, prompts: list[layout.Prompt], folders: list[Path], scorer: Callable) -> dict | None:
-    from tpkit import models, runtime
-    from tpkit.ui import track
-
     out = Path(cfg.out)
 
     # 2. This rank's generation batches, and their prompts that have no results yet.
@@ -239,8 +229,6 @@ def _load_prompts(cfg: EvalConfig) -> tuple[list[layout.Prompt], list[Path]]:
                              "--out FILE` for GenEval's 553 prompts), or omit --metadata to use GenEval's own prompts")
         prompts = layout.load_prompts(Path(cfg.prompts))
     elif cfg.kind == "geneval":  # GenEval's own 553 prompts, regenerated (no file needed, nothing downloaded)
-        from tpkit.geneval_prompts import official_like_test_set
-
         prompts = [layout.Prompt(f"p{i:05d}", item["prompt"], item) for i, item in enumerate(official_like_test_set())]
     else:
         raise ConfigError("no prompts given", "pass --prompts FILE (.txt or .jsonl)")
@@ -252,21 +240,17 @@ def _write_metadata(folder: Path, meta: dict) -> None:
 
 
 def _seeds(cfg: EvalConfig, prompt: layout.Prompt, n: int) -> list[int | None]:
-    from tpkit.rollout import derive_seed
-
     if cfg.images:
         return [None] * n
     return [derive_seed(cfg.seed, "eval", prompt.prompt_id, j) for j in range(n)]
 
 
 def _geneval_scorer(cfg: EvalConfig) -> Callable:
-    from tpkit import geneval
-
     opts = cfg.reward_options.get("geneval", {})
-    models = geneval.load_models(opts.get("detector", geneval.DEFAULT_DETECTOR), opts.get("clip", geneval.DEFAULT_CLIP),
-                                 fixes={"detector": "pass a local folder with --detector PATH",
-                                        "clip": "pass a local folder with --clip PATH"})
-    return lambda p, images: score_prompt_geneval(models, p, images)
+    judge_models = detectors.load_models(opts.get("detector", detectors.DEFAULT_DETECTOR), opts.get("clip", detectors.DEFAULT_CLIP),
+                                       fixes={"detector": "pass a local folder with --detector PATH",
+                                              "clip": "pass a local folder with --clip PATH"})
+    return lambda p, images: score_prompt_geneval(judge_models, p, images)
 
 
 def reward_summary(results: list[dict], weights: dict[str, float]) -> dict:
@@ -326,3 +310,96 @@ def write_grids(out: Path, results: list[dict], cfg: EvalConfig) -> None:
         buf = io.BytesIO()
         grid.save(buf, format="PNG")
         layout.atomic_write(out / ("grid.png" if name == "all" else f"grid-{name}.png"), buf.getvalue())
+
+
+# --------------------------------------------------------------------------------------------
+# Reading an evaluation back: headline numbers, paired differences (run, report, compare)
+# --------------------------------------------------------------------------------------------
+
+
+def eval_key(summary: dict) -> str:
+    """The headline of a held-out evaluation: GenEval overall accuracy, else the first reward's mean."""
+    return "geneval_overall" if "geneval_overall" in summary else next(iter(summary))
+
+
+def _per_prompt(rows: list[dict], column: str) -> dict[int, float]:
+    by: dict[int, list[float]] = {}
+    for r in rows:
+        by.setdefault(r["index"], []).append(float(r[column]))
+    return {i: float(np.mean(v)) for i, v in by.items()}
+
+
+def _se(values) -> float:
+    v = np.asarray(list(values), dtype=float)
+    return float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
+
+
+def paired_cell(rows: list[dict], base: list[dict] | None, metric: str) -> dict:
+    """mean, se, n (prompts) of one metric over evaluation results rows; with `base` (the same prompts and
+    seeds), the paired difference and its se."""
+    if metric.startswith("geneval"):
+        return _geneval_cell(rows, base, metric)
+    mine = _per_prompt(rows, metric)
+    cell = {"mean": float(np.mean([r[metric] for r in rows])), "se": _se(mine.values()), "n": len(mine)}
+    if base is not None:
+        theirs = _per_prompt(base, metric)
+        d = [mine[i] - theirs[i] for i in mine]
+        cell |= {"delta": float(np.mean(d)), "delta_se": _se(d)}
+    return cell
+
+
+def _geneval_cell(rows: list[dict], base: list[dict] | None, metric: str) -> dict:
+    """geneval_overall (mean of task accuracies) or geneval_<task>."""
+    tasks = [t for t in GENEVAL_TASKS if any(r["tag"] == t for r in rows)]
+    if metric != "geneval_overall":
+        tasks = [metric.removeprefix("geneval_")]
+    parts = []
+    for t in tasks:
+        mine = _per_prompt([r for r in rows if r["tag"] == t], "correct")
+        theirs = _per_prompt([r for r in base if r["tag"] == t], "correct") if base is not None else None
+        d = [mine[i] - theirs[i] for i in mine] if theirs is not None else None
+        parts.append((np.mean(list(mine.values())), _se(mine.values()), len(mine),
+                      np.mean(d) if d else None, _se(d) if d else None))
+    k = len(parts)
+    cell = {"mean": float(np.mean([p[0] for p in parts])), "se": math.sqrt(sum(p[1] ** 2 for p in parts)) / k,
+            "n": sum(p[2] for p in parts)}
+    if base is not None:
+        cell |= {"delta": float(np.mean([p[3] for p in parts])), "delta_se": math.sqrt(sum(p[4] ** 2 for p in parts)) / k}
+    return cell
+
+
+def summary(folder: Path) -> dict | None:
+    """The headline numbers of a finished evaluation folder (None if it has no manifest): GenEval's
+    overall and per-task accuracy, or each reward's mean, and the headline's standard error over prompts."""
+    if not (folder / layout.MANIFEST).is_file():
+        return None
+    m = json.loads((folder / layout.MANIFEST).read_text())
+    s = m["summary"]
+    if m["stage"] == "eval-geneval":
+        out = {"geneval_overall": s["overall"], **{f"geneval_{t}": v["accuracy"] for t, v in s["tasks"].items()}}
+    else:
+        out = {c: v["mean"] for c, v in s["overall"].items()}
+    key = eval_key(out)  # the headline's standard error over prompts, for report.png's error bars
+    rows = layout.read_jsonl(folder / RESULTS) if (folder / RESULTS).is_file() else []
+    return out | ({f"{key}_se": paired_cell(rows, None, key)["se"]} if rows else {})
+
+
+def base_eval(run_dir: Path) -> dict | None:
+    """The headline numbers of a run's evaluation of its starting model (what every round's is compared with)."""
+    return summary(Path(run_dir) / layout.BASE_EVAL)
+
+
+def heldout_change(run_dir: Path, lines: list[dict]) -> dict | None:
+    """The latest held-out evaluation against the base model's, paired over prompts (both use the same
+    prompts and seeds): {"metric", "round" (counted from 1, as in rounds.jsonl), "base", "last", "delta",
+    "delta_se"}; None without both."""
+    evaluated = [x for x in lines if x.get("eval")]
+    base_dir = Path(run_dir) / layout.BASE_EVAL
+    if not evaluated or not (base_dir / layout.MANIFEST).is_file():
+        return None
+    last = evaluated[-1]
+    metric = eval_key(last["eval"])
+    cell = paired_cell(layout.read_jsonl(layout.eval_dir(run_dir, last["round"] - 1) / RESULTS),
+                               layout.read_jsonl(base_dir / RESULTS), metric)
+    return {"metric": metric, "round": last["round"], "base": cell["mean"] - cell["delta"], "last": cell["mean"],
+            "delta": cell["delta"], "delta_se": cell["delta_se"]}

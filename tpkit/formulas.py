@@ -1,4 +1,4 @@
-"""Every formula of TP-GRPO and Flow-GRPO, as small pure functions (DESIGN.md section 2).
+"""Every formula of TP-GRPO and Flow-GRPO, as small pure functions (docs/design.md section 2).
 
 No I/O, no config objects, no models. Sampler functions take torch tensors and compute in
 float32 whatever dtype comes in; reward/advantage functions take numpy arrays and compute in

@@ -1,4 +1,4 @@
-"""The run-folder contract between stages (DESIGN.md section 3), declared once.
+"""The run-folder contract between stages (docs/design.md section 3), declared once.
 
 File names, shard members, Parquet schemas and manifests live here; stages read and write
 their files only through these functions. Every file is written under a temporary name and
@@ -17,6 +17,7 @@ import re
 import shutil
 import tarfile
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any, Iterator
 
 from tpkit import __version__
 from tpkit.errors import InputError
+from tpkit.ui import console
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -86,8 +88,27 @@ def seconds_name(rank: int) -> str:
     return f"seconds-r{rank:03d}.json"
 
 
+RUN_TOML, ROUND_JSON = "run.toml", "round.json"  # a run folder's resolved recipe; a finished round's summary
+BASE_EVAL = "eval-base"  # a run folder's held-out evaluation of the starting model, before the first round
+
+
 def round_dir(run_dir: Path, round_index: int) -> Path:
     return Path(run_dir) / f"round-{round_index:04d}"
+
+
+def eval_dir(run_dir: Path, round_index: int) -> Path:
+    """The held-out evaluation of a round's adapter."""
+    return round_dir(run_dir, round_index) / "eval"
+
+
+def wait_for(path: Path, what: str, poll: float = 2.0) -> None:
+    """File barrier between processes (works across nodes on a shared file system): another rank
+    finishes the stage and writes this manifest."""
+    if path.is_file():
+        return
+    console.print(f"waiting for the other processes to finish {what} ({path})")
+    while not path.is_file():
+        time.sleep(poll)
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpkit import layout
+from tpkit import evaluate, layout
 
 REPORT = "report.png"
 GRID_IMAGES = 8
@@ -39,8 +39,6 @@ def eval_cells(eval_dir: Path, n: int = GRID_IMAGES) -> list[Cell]:
     """The first image of n prompts spread evenly over a held-out evaluation (GenEval's files are
     ordered by task, so every task shows), captioned with the prompt (and the reward, if no verdict)."""
     from PIL import Image
-
-    from tpkit import evaluate
 
     rows = [r for r in layout.read_jsonl(eval_dir / evaluate.RESULTS) if r["sample"] == 0]
     rows.sort(key=lambda r: r["index"])
@@ -87,11 +85,6 @@ def reward_by_branch(score_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
     return ks, np.array([r[k == b].mean() for b in ks])
 
 
-def eval_key(summary: dict) -> str:
-    """The headline of a held-out evaluation: GenEval overall accuracy, else the first reward's mean."""
-    return "geneval_overall" if "geneval_overall" in summary else next(iter(summary))
-
-
 def geneval_tasks(lines: list[dict], base: dict | None = None) -> list[str]:
     """The GenEval tasks that rounds.jsonl lines (and the base model's evaluation) report on: train
     reward per task (`reward_by_task`) or held-out accuracy per task (`geneval_<task>`)."""
@@ -104,7 +97,7 @@ def geneval_tasks(lines: list[dict], base: dict | None = None) -> list[str]:
 def _per_task(ax, lines: list[dict], tasks: list[str], held_out: list[tuple[int, dict]]) -> None:
     """GenEval-style prompts: train reward R_K per task per round (a round draws its prompts at
     random, so the overall mean moves with the mix of tasks too), and held-out accuracy per task
-    (`held_out`: (round, evaluation summary), the base model at round -1)."""
+    (`held_out`: (round, evaluation summary), the base model at round 0)."""
     a = ax[0]
     for t in tasks:
         a.plot([x["round"] for x in lines], [(x.get("reward_by_task") or {}).get(t, np.nan) for x in lines], "o-",
@@ -116,46 +109,23 @@ def _per_task(ax, lines: list[dict], tasks: list[str], held_out: list[tuple[int,
     keys = [t for t in tasks if any(f"geneval_{t}" in e for _, e in held_out)]
     for t in keys:
         a.plot([r for r, _ in held_out], [e.get(f"geneval_{t}", np.nan) for _, e in held_out], "s--", ms=4, label=t)
-    a.set(title="held-out accuracy per GenEval task (round -1: base model)", xlabel="round", ylabel="accuracy")
+    a.set(title="held-out accuracy per GenEval task (round 0: base model)", xlabel="round", ylabel="accuracy")
     if keys:
         a.legend(fontsize="small", ncol=2)
 
 
-def write(run_dir: Path, lines: list[dict]) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    if not lines:
-        return run_dir / REPORT
-    first, last = lines[0]["round"], lines[-1]["round"]
-    tasks = geneval_tasks(lines)
-    rows = 4 if tasks else 3
-    fig = plt.figure(figsize=(12, 11 + 3.2 * (rows - 3)))
-    # Fixed margins instead of tight_layout, which draws the figure twice (0.6 s of 2 s a round).
-    grid = fig.add_gridspec(rows, 2, height_ratios=[1] * (rows - 1) + [0.8], left=0.07, right=0.98,
-                            top=0.93 if rows == 3 else 0.95, bottom=0.02, hspace=0.32 if rows == 3 else 0.35, wspace=0.3)
-    ax = np.array([[fig.add_subplot(grid[i, 0]), fig.add_subplot(grid[i, 1])] for i in range(rows - 1)])
-    ax_images = fig.add_subplot(grid[rows - 1, :])
-
-    # Reward per round: mean ± std (bars) and ± standard error (shaded).
+def _reward_panel(a, run_dir: Path, lines: list[dict], held_out: list[tuple[int, dict]]) -> None:
+    """Final reward per round: mean ± std (bars) and ± standard error (shaded); the held-out evaluation
+    (eval_every: GenEval overall accuracy, else the first reward's mean, 95 % over prompts) on a second axis."""
     rounds = [x["round"] for x in lines]
     mean = np.array([x["reward_mean"] for x in lines])
     std = np.array([x["reward_std"] for x in lines])
     se = np.array([x["reward_stderr"] for x in lines])
-    a = ax[0, 0]
     a.errorbar(rounds, mean, yerr=std, fmt="o-", capsize=3, label="mean ± std")
     a.fill_between(rounds, mean - se, mean + se, alpha=0.3, label="± s.e.")
-    a.set(title="final reward R_K per round", xlabel="round", ylabel="reward")
-    from tpkit.run import base_eval
-
-    evals = [(x["round"], x["eval"]) for x in lines if x.get("eval")]
-    base = base_eval(run_dir)  # the starting model, drawn at round -1
-    held_out = ([(-1, base)] if base else []) + evals
-    if evals:  # held-out evaluation (eval_every): GenEval overall accuracy, else the first reward's mean
-        key = eval_key(evals[0][1])
+    a.set(title="final reward R_K per round", xlabel="round (0: base model)", ylabel="reward")
+    if any(r for r, _ in held_out):
+        key = evaluate.eval_key(next(e for r, e in held_out if r))
         b = a.twinx()
         half = [1.96 * e[f"{key}_se"] if np.isfinite(e.get(f"{key}_se", np.nan)) else 0.0 for _, e in held_out]
         b.errorbar([r for r, _ in held_out], [e.get(key) for _, e in held_out], yerr=half, fmt="s--", capsize=3,
@@ -164,18 +134,20 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
         b.legend(loc="lower right")
     a.legend(loc="upper left")
 
-    # Turning-point rate per step, first vs latest round.
-    a = ax[0, 1]
-    for x in {first: lines[0], last: lines[-1]}.values():
+
+def _turning_point_rate_panel(a, first: dict, last: dict) -> None:
+    """Turning-point rate per step, first vs latest round."""
+    for x in {first["round"]: first, last["round"]: last}.values():
         rates = x["tp_rate_per_step"]
         a.plot(range(1, len(rates) + 1), rates, "o-", label=f"round {x['round']}")
     a.set(title="turning-point rate per step", xlabel="step k", ylabel="fraction of trajectories")
     a.legend()
 
-    # Reward along the trajectory: mean R_k per window state.
-    a = ax[1, 0]
+
+def _trajectory_panel(a, run_dir: Path, first: int, last: int) -> None:
+    """Reward along the trajectory: mean R_k per window state, first vs latest round."""
     for r in sorted({first, last}):
-        curve = reward_by_branch(layout.round_dir(run_dir, r) / "score")
+        curve = reward_by_branch(layout.round_dir(run_dir, r - 1) / "score")
         if curve is not None:
             a.plot(*curve, "o-", label=f"round {r}")
     a.set(title="reward along the trajectory (mean R_k of the ODE branch from s_k)", xlabel="branch k",
@@ -183,28 +155,26 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
     if a.lines:
         a.legend()
 
-    # Turning points kept after balancing vs found, per round.
-    a = ax[1, 1]
+
+def _turning_points_panel(a, lines: list[dict]) -> None:
+    """Turning points found by the sign tests and kept after balancing, per round."""
+    rounds = [x["round"] for x in lines]
     a.plot(rounds, [x["turning_points"] for x in lines], "o-", label="found (sign tests)")
     a.plot(rounds, [x["turning_points_kept"] for x in lines], "s--", label="kept after balancing")
     a.set(title="turning points per round", xlabel="round", ylabel="count")
     a.legend()
-    if tasks:
-        _per_task(ax[2], lines, tasks, held_out)
-    for a in (ax[0, 0], ax[1, 1], *(ax[2] if tasks else ())):  # rounds are whole numbers
-        a.xaxis.set_major_locator(MaxNLocator(integer=True))
 
-    # Images: with a held-out evaluation, the base model's against the latest evaluated adapter's (same
-    # prompts, same seeds: the change is the training's); else the first and latest round's samples.
-    a = ax_images
-    from tpkit.run import BASE_EVAL, eval_dir
 
+def _images_panel(a, run_dir: Path, lines: list[dict]) -> None:
+    """With a held-out evaluation, the base model's images against the latest evaluated adapter's (same
+    prompts, same seeds: the change is the training's); else the first and latest round's samples."""
+    first, last = lines[0]["round"], lines[-1]["round"]
     evaluated = [x["round"] for x in lines if x.get("eval")]
-    if evaluated and (run_dir / BASE_EVAL / layout.MANIFEST).is_file():
-        rows = [eval_cells(run_dir / BASE_EVAL), eval_cells(eval_dir(run_dir, evaluated[-1]))]
+    if evaluated and (run_dir / layout.BASE_EVAL / layout.MANIFEST).is_file():
+        rows = [eval_cells(run_dir / layout.BASE_EVAL), eval_cells(layout.eval_dir(run_dir, evaluated[-1] - 1))]
         title = f"held-out prompts, same seeds: base model (top) vs after round {evaluated[-1]} (bottom)"
     else:
-        rows = [[(im, text, None) for im, text in final_images(layout.round_dir(run_dir, r) / "rollout", with_prompts=True)]
+        rows = [[(im, text, None) for im, text in final_images(layout.round_dir(run_dir, r - 1) / "rollout", with_prompts=True)]
                 for r in sorted({first, last})]
         title = f"final images: round {first} (top) vs round {last} (bottom)"
         if len(rows) == 2 and [c[1] for c in rows[0]] != [c[1] for c in rows[1]]:
@@ -215,6 +185,39 @@ def write(run_dir: Path, lines: list[dict]) -> Path:
     a.set(title=title)
     a.axis("off")
 
+
+def write(run_dir: Path, lines: list[dict]) -> Path:
+    """report.png from rounds.jsonl's lines (rounds counted from 1; the base model is round 0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    if not lines:
+        return run_dir / REPORT
+    # 1. The layout: a row per pair of panels, a fourth with GenEval-style prompts, the images below.
+    tasks = geneval_tasks(lines)
+    rows = 4 if tasks else 3
+    fig = plt.figure(figsize=(12, 11 + 3.2 * (rows - 3)))
+    # Fixed margins instead of tight_layout, which draws the figure twice (0.6 s of 2 s a round).
+    grid = fig.add_gridspec(rows, 2, height_ratios=[1] * (rows - 1) + [0.8], left=0.07, right=0.98,
+                            top=0.93 if rows == 3 else 0.95, bottom=0.02, hspace=0.32 if rows == 3 else 0.35, wspace=0.3)
+    ax = np.array([[fig.add_subplot(grid[i, 0]), fig.add_subplot(grid[i, 1])] for i in range(rows - 1)])
+    # 2. The held-out evaluations: the starting model at round 0, then every evaluated round.
+    base = evaluate.base_eval(run_dir)
+    held_out = ([(0, base)] if base else []) + [(x["round"], x["eval"]) for x in lines if x.get("eval")]
+    # 3. The panels.
+    _reward_panel(ax[0, 0], run_dir, lines, held_out)
+    _turning_point_rate_panel(ax[0, 1], lines[0], lines[-1])
+    _trajectory_panel(ax[1, 0], run_dir, lines[0]["round"], lines[-1]["round"])
+    _turning_points_panel(ax[1, 1], lines)
+    if tasks:
+        _per_task(ax[2], lines, tasks, held_out)
+    for a in (ax[0, 0], ax[1, 1], *(ax[2] if tasks else ())):  # rounds are whole numbers
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _images_panel(fig.add_subplot(grid[rows - 1, :]), run_dir, lines)
+    # 4. The PNG, written atomically.
     fig.suptitle(f"{run_dir.name}: {len(lines)} rounds")
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import torch
 
-from tpkit import formulas, layout
+from tpkit import formulas, layout, models
 from tpkit.config import RolloutConfig, to_dict
 from tpkit.errors import InputError
 from tpkit.layout import Prompt, PromptRecord, ShardWriter, TrajectoryRecord
 from tpkit.runtime import png_bytes
 from tpkit.timing import Phases
+from tpkit.ui import console, track
 
 
 def derive_seed(*parts) -> int:
@@ -148,9 +149,6 @@ def run(cfg: RolloutConfig) -> dict | None:
 
 
 def _run(cfg: RolloutConfig, ident: dict, prompts: list[Prompt]) -> dict | None:
-    from tpkit import models
-    from tpkit.ui import track
-
     # 1. Plan the work: shards of whole prompt groups, this rank's share.
     out = Path(cfg.out)
     shards = plan_shards(prompts, cfg.prompts_per_shard)
@@ -196,8 +194,6 @@ def _run(cfg: RolloutConfig, ident: dict, prompts: list[Prompt]) -> dict | None:
 
 def _check_rewritten(out: Path, sha256: dict[str, str]) -> None:
     """Later stages of the round were computed on the deleted shards: say so if the new ones differ."""
-    from tpkit.ui import console
-
     old = json.loads((out / layout.MANIFEST).read_text()).get("shard_sha256", {})
     differ = sorted(n for n in sha256 if old.get(n) != sha256[n])
     if differ:

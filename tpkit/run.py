@@ -1,7 +1,8 @@
 """`tpkit run`: rounds of rollout -> score -> advantages -> train from one recipe.
 
-Round r samples with round r-1's adapter, trains from it (continuing its optimizer and EMA
-state) and writes everything under round-NNNN/. A stage whose manifest exists is kept, so the
+Rounds are counted from 1 in everything a person reads (progress, tables, rounds.jsonl, report.png,
+the tracker); the base model is round 0. Round n lives in the folder round-{n-1:04d} and samples with
+round n-1's adapter, trains from it (continuing its optimizer and EMA state) and writes everything there. A stage whose manifest exists is kept, so the
 same command continues a stopped run; rounds.jsonl and report.png are rebuilt after each round.
 """
 
@@ -12,51 +13,21 @@ import json
 import time
 from pathlib import Path
 
-from tpkit import config, layout, models, tracking
-from tpkit.config import Recipe
+from tpkit import advantages, config, evaluate, layout, models, report, rollout, score, tracking, train
+from tpkit.config import Recipe, resolve_rank
 from tpkit.errors import ConfigError, TpkitError
-
-RUN_TOML, ROUND_JSON = "run.toml", "round.json"
-BASE_EVAL = "eval-base"  # the held-out evaluation of the starting model, before round 0
-
-
-def eval_dir(run_dir: Path, r: int) -> Path:
-    return layout.round_dir(run_dir, r) / "eval"
-
-
-def base_eval(run_dir: Path) -> dict | None:
-    """The headline numbers of the starting model's evaluation (what every round's is compared with)."""
-    return _eval_summary(Path(run_dir) / BASE_EVAL)
-
-
-def heldout_change(run_dir: Path, lines: list[dict]) -> dict | None:
-    """The latest held-out evaluation against the base model's, paired over prompts (both use the same
-    prompts and seeds): {"metric", "round", "base", "last", "delta", "delta_se"}; None without both."""
-    from tpkit import compare, evaluate
-    from tpkit.report import eval_key
-
-    evaluated = [x for x in lines if x.get("eval")]
-    base_dir = Path(run_dir) / BASE_EVAL
-    if not evaluated or not (base_dir / layout.MANIFEST).is_file():
-        return None
-    last = evaluated[-1]
-    metric = eval_key(last["eval"])
-    cell = compare.paired_cell(layout.read_jsonl(eval_dir(run_dir, last["round"]) / evaluate.RESULTS),
-                               layout.read_jsonl(base_dir / evaluate.RESULTS), metric)
-    return {"metric": metric, "round": last["round"], "base": cell["mean"] - cell["delta"], "last": cell["mean"],
-            "delta": cell["delta"], "delta_se": cell["delta_se"]}
-
+from tpkit.formulas import round_learning_rate
+from tpkit.rewards.registry import load_rewards
+from tpkit.ui import console
 
 def evaluate_into(recipe: Recipe, folder: Path, lora: Path | None, what: str) -> float | None:
     """The recipe's held-out evaluation of the base model plus `lora` (None: the base model alone)
     into `folder`, unless it is already there; its seconds when it ran."""
-    from tpkit import evaluate
-
     cfg = dataclasses.replace(recipe.eval, out=str(folder), lora=str(lora) if lora else None)
     seconds = None
     if not done(folder, lambda: evaluate.identity(cfg.validate()), cfg):
         _, seconds = _timed(evaluate.run, cfg)  # all processes: rank-split like every stage
-    wait_for(folder / layout.MANIFEST, what)
+    layout.wait_for(folder / layout.MANIFEST, what)
     return seconds
 
 
@@ -116,7 +87,7 @@ def recipe_difference(run_dir: Path, recipe: Recipe) -> list[str]:
     [] when they agree or run_dir has no saved recipe. Reads only."""
     import tomllib
 
-    saved_path = run_dir / RUN_TOML
+    saved_path = run_dir / layout.RUN_TOML
     if not saved_path.is_file():
         return []
     saved = config.with_new_keys(tomllib.loads(saved_path.read_text()))
@@ -141,7 +112,7 @@ def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
         raise ConfigError(f"{run_dir} was started with a different recipe (differs in: {', '.join(diff)})",
                           "continue with the same recipe and --set options, pass a new --out, "
                           "or --overwrite to start that run again")
-    layout.atomic_write(run_dir / RUN_TOML, tomli_w.dumps(recipe.to_dict()).encode())
+    layout.atomic_write(run_dir / layout.RUN_TOML, tomli_w.dumps(recipe.to_dict()).encode())
 
 
 def done(folder: Path, expected, cfg) -> bool:
@@ -161,25 +132,8 @@ def _timed(fn, cfg) -> tuple[dict | None, float]:
     return result, time.perf_counter() - t0
 
 
-def wait_for(path: Path, what: str, poll: float = 2.0) -> None:
-    """File barrier between processes (works across nodes on a shared file system): another rank
-    finishes the stage and writes this manifest."""
-    from tpkit.ui import console
-
-    if path.is_file():
-        return
-    console.print(f"waiting for the other processes to finish {what} ({path})")
-    while not path.is_file():
-        time.sleep(poll)
-
-
 def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | None:
     """Run (or finish) round r with the already built rewards; returns its summary line (main process)."""
-    from tpkit import advantages, rollout, score, train
-    from tpkit.config import resolve_rank
-    from tpkit.formulas import round_learning_rate
-    from tpkit.ui import console
-
     rank, world = resolve_rank(None, None)
     d = stage_dirs(run_dir, r)
     # The previous round's trained weights (its adapter-raw/ when EMA is on: adapter/ is then the EMA,
@@ -192,18 +146,18 @@ def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | No
                               lora=str(prev_adapter) if prev_adapter else None)
     if not done(d["rollout"], lambda: rollout.identity(cfg.validate()), cfg):
         _, seconds["rollout"] = _timed(rollout.run, cfg)
-        wait_for(d["rollout"] / layout.MANIFEST, "rollout")
+        layout.wait_for(d["rollout"] / layout.MANIFEST, "rollout")
     # 2. Score every branch (or only R_K for flow-grpo).
     cfg = dataclasses.replace(recipe.score, rollout=str(d["rollout"]), out=str(d["score"]))
     if not done(d["score"], lambda: score.identity(cfg.validate(), layout.read_manifest(d["rollout"], "rollout")), cfg):
         _, seconds["score"] = _timed(lambda c: score.run(c, rewards), cfg)
-        wait_for(d["score"] / layout.MANIFEST, "score")
+        layout.wait_for(d["score"] / layout.MANIFEST, "score")
     # 3. Advantages (one process; it is cheap).
     cfg = dataclasses.replace(recipe.advantages, scores=str(d["score"]), out=str(d["advantages"]))
     if not done(d["advantages"], lambda: advantages.identity(cfg.validate(), layout.parquet_files(d["score"], "score")), cfg):
         if rank == 0:
             _, seconds["advantages"] = _timed(advantages.run, cfg)
-        wait_for(d["advantages"] / layout.MANIFEST, "advantages")
+        layout.wait_for(d["advantages"] / layout.MANIFEST, "advantages")
     # 4. Train, continuing the previous round's adapter and optimizer state, at the round's learning rate.
     cfg = dataclasses.replace(recipe.train, rollout=str(d["rollout"]), advantages=str(d["advantages"]),
                               out=str(d["train"]), seed=recipe.seed + r,
@@ -212,23 +166,23 @@ def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | No
     if not done(d["train"], lambda: train.identity(cfg.validate(), layout.read_manifest(d["rollout"], "rollout"),
                                                    layout.parquet_files(d["advantages"], "advantages")), cfg):
         _, seconds["train"] = _timed(train.run, cfg)  # all processes: data-parallel under accelerate
-        wait_for(d["train"] / layout.MANIFEST, "train")
+        layout.wait_for(d["train"] / layout.MANIFEST, "train")
     # 5. Every eval_every rounds: held-out evaluation of this round's adapter.
     if recipe.eval_every and (r + 1) % recipe.eval_every == 0:
-        if (t := evaluate_into(recipe, eval_dir(run_dir, r), d["train"] / train.ADAPTER, "eval")) is not None:
+        if (t := evaluate_into(recipe, layout.eval_dir(run_dir, r), d["train"] / train.ADAPTER, "eval")) is not None:
             seconds["eval"] = t
     if rank != 0:
         return None
 
     line = round_summary(run_dir, r, seconds)
-    layout.atomic_write_json(layout.round_dir(run_dir, r) / ROUND_JSON, line)
-    console.print(f"round {r}: final reward {line['reward_mean']:.4g} ± {line['reward_std']:.4g} "
+    layout.atomic_write_json(layout.round_dir(run_dir, r) / layout.ROUND_JSON, line)
+    console.print(f"round {r + 1}: final reward {line['reward_mean']:.4g} ± {line['reward_std']:.4g} "
                   f"(n = {line['n']}), turning-point rate {line['turning_point_rate']:.1%}")
     return line
 
 
 def round_done(run_dir: Path, r: int) -> bool:
-    return (layout.round_dir(run_dir, r) / ROUND_JSON).is_file() and (stage_dirs(run_dir, r)["train"] / layout.MANIFEST).is_file()
+    return (layout.round_dir(run_dir, r) / layout.ROUND_JSON).is_file() and (stage_dirs(run_dir, r)["train"] / layout.MANIFEST).is_file()
 
 
 def prune_rounds(run_dir: Path, keep: int) -> dict[int, int]:
@@ -246,10 +200,8 @@ def prune_rounds(run_dir: Path, keep: int) -> dict[int, int]:
 
 
 def _prune(run_dir: Path, keep: int) -> None:
-    from tpkit.ui import console
-
     if freed := prune_rounds(run_dir, keep):
-        console.print(f"keep_rounds = {keep}: deleted the rollout shards of round(s) {', '.join(map(str, freed))} "
+        console.print(f"keep_rounds = {keep}: deleted the rollout shards of round(s) {', '.join(str(r + 1) for r in freed)} "
                       f"({sum(freed.values()) / 2**20:.1f} MiB)")
 
 
@@ -258,11 +210,11 @@ def round_summary(run_dir: Path, r: int, seconds: dict) -> dict:
     d = stage_dirs(run_dir, r)
     m = {s: json.loads((p / layout.MANIFEST).read_text()) for s, p in d.items()}
     summ = m["advantages"]["summary"]
-    old_path = layout.round_dir(run_dir, r) / ROUND_JSON
+    old_path = layout.round_dir(run_dir, r) / layout.ROUND_JSON
     old_seconds = json.loads(old_path.read_text()).get("seconds", {}) if old_path.is_file() else {}
     n = summ["trajectories"]
     return {
-        "round": r, "reward_mean": summ["final_reward_mean"], "reward_std": summ["final_reward_std"], "n": n,
+        "round": r + 1, "folder": layout.round_dir(run_dir, r).name, "reward_mean": summ["final_reward_mean"], "reward_std": summ["final_reward_std"], "n": n,
         "reward_stderr": summ["final_reward_std"] / max(n - 1, 1) ** 0.5,
         "reward_by_task": m["score"].get("reward_by_task"),  # GenEval-style prompts: the round's mix of tasks varies
         "turning_point_rate": summ["turning_point_rate"], "turning_points": summ["turning_points"],
@@ -276,40 +228,21 @@ def round_summary(run_dir: Path, r: int, seconds: dict) -> dict:
         "reward_calls": m["score"]["counts"].get("reward_calls", 0),
         "seconds": {**old_seconds, **{k: round(v, 2) for k, v in seconds.items()}},
         "train": {k: m["train"].get("last_metrics", {}).get(k) for k in ("loss", "ratio_mean", "clipfrac", "grad_norm", "lr")},
-        "eval": _eval_summary(eval_dir(run_dir, r)),
+        "eval": evaluate.summary(layout.eval_dir(run_dir, r)),
     }
-
-
-def _eval_summary(folder: Path) -> dict | None:
-    """The headline numbers of a round's evaluation, if it had one."""
-    if not (folder / layout.MANIFEST).is_file():
-        return None
-    from tpkit import compare, evaluate
-    from tpkit.report import eval_key
-
-    m = json.loads((folder / layout.MANIFEST).read_text())
-    s = m["summary"]
-    if m["stage"] == "eval-geneval":
-        out = {"geneval_overall": s["overall"], **{f"geneval_{t}": v["accuracy"] for t, v in s["tasks"].items()}}
-    else:
-        out = {c: v["mean"] for c, v in s["overall"].items()}
-    key = eval_key(out)  # the headline's standard error over prompts, for report.png's error bars
-    rows = layout.read_jsonl(folder / evaluate.RESULTS) if (folder / evaluate.RESULTS).is_file() else []
-    return out | ({f"{key}_se": compare.paired_cell(rows, None, key)["se"]} if rows else {})
 
 
 def log_round(tracker: tracking.Tracker, recipe: Recipe, run_dir: Path, line: dict) -> None:
     """One finished round to the tracker: its train metrics at their optimizer steps; reward, turning
     points, calls, seconds and evaluation at its last step; every log_images_every rounds a grid of
     its samples (the first prompts' groups)."""
-    from tpkit import report
-
-    r, d = line["round"], stage_dirs(run_dir, line["round"])
+    r = line["round"] - 1  # its folder's index
+    d = stage_dirs(run_dir, r)
     metrics = layout.read_jsonl(d["train"] / layout.METRICS_FILE)
     for m in metrics:
         tracker.scalars(tracking.train_scalars(m), m["step"])
     step = layout.read_manifest(d["train"], "train")["counts"]["global_step"]
-    values = {"round": r, "reward/mean": line["reward_mean"], "reward/std": line["reward_std"],
+    values = {"round": line["round"], "reward/mean": line["reward_mean"], "reward/std": line["reward_std"],
               "reward/stderr": line["reward_stderr"], "turning_points/rate": line["turning_point_rate"],
               "turning_points/kept": line["turning_points_kept"], "calls/transformer": line["transformer_calls"],
               "calls/decodes": line["decodes"], "calls/reward": line["reward_calls"],
@@ -318,7 +251,7 @@ def log_round(tracker: tracking.Tracker, recipe: Recipe, run_dir: Path, line: di
               **{f"reward/task/{t}": v for t, v in (line.get("reward_by_task") or {}).items()}}
     tracker.scalars(values, step)
     if line["eval"] is not None:
-        log_eval(tracker, eval_dir(run_dir, r), "eval", step)
+        log_eval(tracker, layout.eval_dir(run_dir, r), "eval", step)
     if recipe.log_images_every and r % recipe.log_images_every == 0:
         images = report.final_images(d["rollout"], 2 * recipe.rollout.group_size)
         if images:
@@ -330,7 +263,7 @@ def log_eval(tracker: tracking.Tracker, folder: Path, prefix: str, step: int) ->
     import numpy as np
     from PIL import Image
 
-    tracker.scalars({f"{prefix}/{k}": v for k, v in (_eval_summary(folder) or {}).items()}, step)
+    tracker.scalars({f"{prefix}/{k}": v for k, v in (evaluate.summary(folder) or {}).items()}, step)
     tracker.images({f"{prefix}/{p.stem}": np.asarray(Image.open(p).convert("RGB"))
                     for p in sorted(folder.glob("grid*.png"))}, step)
 
@@ -339,9 +272,9 @@ def write_rounds(run_dir: Path, rounds: int) -> list[dict]:
     """rounds.jsonl rebuilt from every finished round (no duplicates after a restart)."""
     lines = []
     for r in range(rounds):
-        p = layout.round_dir(run_dir, r) / ROUND_JSON
-        if p.is_file():
-            lines.append(json.loads(p.read_text()))
+        p = layout.round_dir(run_dir, r) / layout.ROUND_JSON
+        if p.is_file():  # numbered by its folder: a round.json of a tpkit before 0.2 counted from 0
+            lines.append({**json.loads(p.read_text()), "round": r + 1, "folder": p.parent.name})
     layout.atomic_write(run_dir / layout.ROUNDS_FILE, "".join(json.dumps(x) + "\n" for x in lines).encode())
     return lines
 
@@ -350,7 +283,7 @@ def claim_run_folder(run_dir: Path, recipe: Recipe, overwrite: bool, world: int)
     """The run folder holds this recipe's run (any number of rounds) and nothing else; --overwrite
     starts it again from an empty folder."""
     ident = run_identity(recipe)
-    if not overwrite and (run_dir / RUN_TOML).is_file():
+    if not overwrite and (run_dir / layout.RUN_TOML).is_file():
         check_same_recipe(run_dir, recipe)  # refuses another recipe, naming the keys that differ
         # the same run: its identity as this tpkit writes it (older ones held paths, or no stage.json)
         layout.atomic_write_json(run_dir / layout.STAGE_FILE, ident)
@@ -359,13 +292,7 @@ def claim_run_folder(run_dir: Path, recipe: Recipe, overwrite: bool, world: int)
 
 
 def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
-    from tpkit import report
-    from tpkit.ui import console
-
     # 1. The run folder and its recipe (refusing a different recipe for an existing run).
-    from tpkit.config import resolve_rank
-    from tpkit.rewards import load_rewards
-
     rank, world = resolve_rank(None, None)
     tracking.check_kind(recipe.log_with)
     rewards = load_rewards(recipe.score.rewards, recipe.score.reward_options)  # once, and before any rollout
@@ -377,10 +304,10 @@ def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
     with tracking.closing(tracker):
         # 2. With a held-out evaluation: the starting model's, the point the rounds' are measured from.
         if recipe.eval_every:
-            if not (run_dir / BASE_EVAL / layout.MANIFEST).is_file():
-                console.rule(f"[bold]held-out evaluation of the base model[/] ({run_dir / BASE_EVAL})")
-            if evaluate_into(recipe, run_dir / BASE_EVAL, None, "the base model's evaluation") is not None and tracker:
-                log_eval(tracker, run_dir / BASE_EVAL, "eval_base", 0)
+            if not (run_dir / layout.BASE_EVAL / layout.MANIFEST).is_file():
+                console.rule(f"[bold]held-out evaluation of the base model[/] ({run_dir / layout.BASE_EVAL})")
+            if evaluate_into(recipe, run_dir / layout.BASE_EVAL, None, "the base model's evaluation") is not None and tracker:
+                log_eval(tracker, run_dir / layout.BASE_EVAL, "eval_base", 0)
 
         # 3. Rounds; finished ones are skipped, a half-finished one resumes at its first missing stage.
         t0 = time.perf_counter()
@@ -393,9 +320,9 @@ def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
             try:
                 line = run_round(recipe, run_dir, r, rewards)
             except TpkitError as e:  # a broken round stops the run, saying which round
-                raise type(e)(f"round {r}: {e.message}", e.fix) from e
+                raise type(e)(f"round {r + 1}: {e.message}", e.fix) from e
             if line is None:
-                wait_for(layout.round_dir(run_dir, r) / ROUND_JSON, f"round {r}")
+                layout.wait_for(layout.round_dir(run_dir, r) / layout.ROUND_JSON, f"round {r + 1}")
                 continue
             # 4. After every round (main process): rounds.jsonl, report.png, the tracker, old rounds' shards.
             report.write(run_dir, write_rounds(run_dir, recipe.rounds))
@@ -405,7 +332,11 @@ def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
     if rank != 0:
         return []
     _prune(run_dir, recipe.keep_rounds)  # keep_rounds may have been lowered for a finished run
+    rounds_file = run_dir / layout.ROUNDS_FILE
+    before = rounds_file.read_bytes() if rounds_file.is_file() else None
     lines = write_rounds(run_dir, recipe.rounds)
-    if lines and not (run_dir / report.REPORT).is_file():
+    # report.png is drawn from rounds.jsonl: again if it is missing or the lines changed (a run folder of
+    # a tpkit before 0.2 counted its rounds from 0)
+    if lines and (not (run_dir / report.REPORT).is_file() or rounds_file.read_bytes() != before):
         report.write(run_dir, lines)
     return lines

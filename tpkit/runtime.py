@@ -1,16 +1,22 @@
 """What every stage needs from its process, whatever the model family: the device and dtype, CPU
-threads and allocator, the home folder, quiet libraries, PNG bytes."""
+threads and allocator, the home folder, quiet libraries, PNG bytes.
+
+torch is imported inside the functions that use it: `tpkit doctor` imports this module, and must run
+(and say what to fix) where torch is missing or broken."""
 
 from __future__ import annotations
 
 import io
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from tpkit.errors import ModelError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def quiet_libraries() -> None:
@@ -71,7 +77,9 @@ def set_cpu_threads() -> int:
     TPKIT_THREADS (`tpkit --threads N`) if set; else the cores this process may use divided by the
     processes started beside it (LOCAL_WORLD_SIZE under `accelerate launch` / torchrun). torch's
     default, one thread per core in every process, oversubscribes the cores as soon as two run at
-    once (measured on 2 cores: 4-11x slower rounds instead of 2x; bench/side_by_side.py)."""
+    once (measured on 2 cores: 4-11x slower rounds instead of 2x; bench/speed/side_by_side.py)."""
+    import torch
+
     want = os.environ.get("TPKIT_THREADS")
     if want:
         threads = int(want)
@@ -85,6 +93,8 @@ def set_cpu_threads() -> int:
 
 
 def pick_device(device: str = "auto") -> torch.device:
+    import torch
+
     if device == "auto":
         if not torch.cuda.is_available():
             return torch.device("cpu")
@@ -96,10 +106,14 @@ def pick_device(device: str = "auto") -> torch.device:
 def accelerate_on_cpu(device: str) -> bool:
     """Whether accelerate runs on the CPU for this --device: cpu=True also when no GPU exists, since
     only then does accelerate set up gloo DDP under torchrun (train and the tracker must agree)."""
+    import torch
+
     return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,

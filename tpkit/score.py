@@ -20,12 +20,14 @@ from pathlib import Path
 
 import torch
 
-from tpkit import formulas, layout
+from tpkit import formulas, layout, models
 from tpkit.config import ScoreConfig, to_dict
 from tpkit.errors import InputError, RewardError
 from tpkit.layout import PromptRecord, TrajectoryRecord
-from tpkit.rewards import Reward, load_rewards, score_images
+from tpkit.rewards.registry import Reward, load_rewards, score_images
+from tpkit.rollout import sampling_lora
 from tpkit.timing import Phases
+from tpkit.ui import track
 
 # Seconds per phase in every score file's stats (reward_wait: the stage waiting for the reward thread).
 PHASES = ("read", "transformer", "decode", "reward_wait", "write")
@@ -278,10 +280,6 @@ def identity(cfg: ScoreConfig, rollout: dict) -> dict:
 
 def _run(cfg: ScoreConfig, rewards: list[Reward], rollout: dict, shards: list[Path], ident: dict) -> dict | None:
 
-    from tpkit import models
-    from tpkit.rollout import sampling_lora
-    from tpkit.ui import track
-
     rollout_dir, out = Path(cfg.rollout), Path(cfg.out)
 
     # 2. This rank's shards that have no scores yet.
@@ -361,7 +359,7 @@ def scores_table(rows: list[dict], rewards: list[Reward]):
 
 
 def per_trajectory_cost(score_counts: dict, rollout_counts: dict) -> dict[str, float]:
-    """Model work per trajectory, this stage's and with the rollout's (DESIGN.md "Cost"): for T = 10,
+    """Model work per trajectory, this stage's and with the rollout's (docs/design.md section 2, "Cost"): for T = 10,
     K = 9, 45 transformer calls here (55 with the rollout's 10), 10 decodes (9 here; R_K's image is
     the rollout's own) and 10 reward calls. Averaged over every trajectory of the rollout."""
     n = max(1, rollout_counts.get("trajectories", 0))

@@ -7,8 +7,10 @@ from pathlib import Path
 
 from rich.table import Table
 
-from tpkit import layout
+from tpkit import evaluate, layout
 from tpkit.errors import InputError
+from tpkit.report import geneval_tasks
+from tpkit.trajectory import STORED_TOLERANCE
 from tpkit.ui import out as console
 
 
@@ -136,11 +138,9 @@ def train_view(folder: Path) -> None:
 
 def rounds_view(lines: list[dict], base_eval: dict | None = None, change: dict | None = None) -> None:
     """rounds.jsonl: final reward, turning points and (with eval_every) the held-out evaluation per round,
-    below the starting model's evaluation (`base_eval`); then the verdict on `change` (run.heldout_change)."""
-    from tpkit.report import eval_key
-
+    below the starting model's evaluation (`base_eval`); then the verdict on `change` (evaluate.heldout_change)."""
     evals = [x["eval"] for x in lines if x.get("eval")] + ([base_eval] if base_eval else [])
-    key = eval_key(evals[0]) if evals else None
+    key = evaluate.eval_key(evals[0]) if evals else None
     t = Table(title="rounds", title_justify="left")
     for c in ("round", "reward", "s.e.", "std", "n", "TP rate", "calls", "seconds") + ((f"held-out {key}",) if key else ()):
         t.add_column(c, justify="right")
@@ -167,8 +167,6 @@ def rounds_view(lines: list[dict], base_eval: dict | None = None, change: dict |
 def task_rows(lines: list[dict], base_eval: dict | None) -> list[tuple]:
     """(task, train R_K in the first and last round, held-out accuracy of the base model and of the
     last evaluated round) for GenEval-style runs; None where a round had no prompt of the task."""
-    from tpkit.report import geneval_tasks
-
     first, last = lines[0].get("reward_by_task") or {}, lines[-1].get("reward_by_task") or {}
     evals = [x["eval"] for x in lines if x.get("eval")]
     held = evals[-1] if evals else {}
@@ -180,7 +178,7 @@ def heldout_verdict(c: dict) -> str:
     """One line: the held-out change after the last evaluated round, with its 95 % interval (paired over
     prompts), and whether it is distinguishable from evaluation noise."""
     half = 1.96 * c["delta_se"]
-    line = (f"held-out {c['metric']}: {c['base']:.3f} (base) -> {c['last']:.3f} after {c['round'] + 1} rounds, "
+    line = (f"held-out {c['metric']}: {c['base']:.3f} (base) -> {c['last']:.3f} after {c['round']} rounds, "
             f"{c['delta']:+.3f} ± {half:.3f} (95 %, paired over prompts)")
     if not abs(c["delta"]) > half:  # NaN se (one prompt) counts as indistinguishable too
         return f"[yellow]{line}: not distinguishable from evaluation noise[/]"
@@ -189,8 +187,6 @@ def heldout_verdict(c: dict) -> str:
 
 def trajectory_view(result: dict) -> None:
     """The table of `tpkit trajectory`: R_k per state, then per step d_k, turning point and advantage."""
-    from tpkit.trajectory import STORED_TOLERANCE
-
     steps = {r["step"]: r for r in result["steps"]}
     t = Table(title=f"trajectory {result['trajectory_id']}", title_justify="left")
     for c in ("k", "R_k", "d_k", "candidate", "turning point", "aggregated", "advantage"):
@@ -236,9 +232,7 @@ def inspect(path: Path) -> None:
     if path.is_dir() and (path / layout.ROUNDS_FILE).is_file():  # a `tpkit run` folder
         lines = layout.read_jsonl(path / layout.ROUNDS_FILE)
         console.print(f"[bold]{path}[/]: run with {len(lines)} finished rounds")
-        from tpkit.run import base_eval, heldout_change
-
-        rounds_view(lines, base_eval(path), heldout_change(path, lines))
+        rounds_view(lines, evaluate.base_eval(path), evaluate.heldout_change(path, lines))
         return
     if path.is_dir():
         manifest_path = path / layout.MANIFEST

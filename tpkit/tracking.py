@@ -24,6 +24,8 @@ import numpy as np
 
 from tpkit.config import TRACKERS as KINDS
 from tpkit.errors import ConfigError
+from tpkit.runtime import accelerate_on_cpu
+from tpkit.ui import console
 
 TENSORBOARD_DIR, WANDB_ID = "tensorboard", "wandb-id"
 
@@ -71,8 +73,6 @@ class Tracker:
     """One accelerate tracker writing into `folder` (TensorBoard: folder/tensorboard/; W&B: folder/wandb/)."""
 
     def __init__(self, kind: str, folder: Path, name: str, config: dict):
-        from tpkit.ui import console
-
         self.kind, self.folder, self._console = kind, Path(folder), console
         self.folder.mkdir(parents=True, exist_ok=True)
         try:
@@ -149,8 +149,6 @@ def open_tracker(kind: str, folder: Path, name: str, config: dict, device: str =
     if kind == "none":
         return None
     from accelerate import PartialState
-
-    from tpkit.runtime import accelerate_on_cpu
 
     return Tracker(kind, folder, name, config) if PartialState(cpu=accelerate_on_cpu(device)).is_main_process else None
 

@@ -31,10 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpkit import formulas, layout, models, tracking
+from tpkit import formulas, layout, models, runtime, tracking
 from tpkit.config import TrainConfig, lora_targets, to_dict
 from tpkit.errors import InputError, TpkitError
+from tpkit.models import base as model_base
+from tpkit.models.base import lora_state
 from tpkit.timing import Phases
+from tpkit.ui import track
 
 ADAPTER, ADAPTER_RAW, STATE, CHECKPOINT = "adapter", "adapter-raw", "state", "checkpoint"
 
@@ -262,8 +265,6 @@ class TrainState:
 
 
 def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict) -> dict:
-    from tpkit import runtime
-
     # 1. Check inputs: the rollout and its advantages (the state to continue from is read in 2).
     on_cpu = runtime.accelerate_on_cpu(cfg.device)
     phases = Phases("cpu" if on_cpu else runtime.pick_device(cfg.device))
@@ -337,8 +338,6 @@ def _setup(cfg: TrainConfig, rollout: dict, embeds: dict, meta: dict, on_cpu: bo
 def _load_model(cfg: TrainConfig, rollout: dict, device: str, init_lora: str | None, phases: Phases):
     """The rollout's transformer (no text encoders, no VAE), frozen, with a trainable LoRA: a fresh
     one, seeded, or init_lora's. Returns (model, LoRA config)."""
-    from tpkit.models import base as model_base
-
     model_base.release()  # an inference pipeline kept by rollout/score would only take memory now
     with phases("load"):
         model = models.load(rollout["config"]["model"], models.recorded(rollout["config"]), device=device,
@@ -368,8 +367,6 @@ def _train(st: TrainState, cfg: TrainConfig, steps: list[list[MicroBatch]], comp
     """Step 3: the round's optimizer steps (after those a killed run finished), each step's metrics to
     the tracker, a checkpoint every `checkpoint_every` steps (not after the last: the save follows).
     `computed` holds each step's micro-batches that have a gradient."""
-    from tpkit.ui import track
-
     accelerator, out = st.accelerator, Path(cfg.out)
     if accelerator.num_processes > 1 and computed and min(len(s) for s in computed) < accelerator.num_processes:
         raise TrainError(f"{min(len(s) for s in computed)} micro-batches in an optimizer step for "
@@ -453,8 +450,6 @@ def _checkpoint_step(st: TrainState, out: Path, steps_done: int, phases: Phases)
 
 def _check_learned(st: TrainState, cfg: TrainConfig) -> None:
     """Step 4: an error if every optimizer step was non-finite (unless --allow-no-op) or the LoRA is."""
-    from tpkit.models import base as model_base
-
     metrics = st.metrics
     if metrics and not any(m["finite"] for m in metrics) and not cfg.allow_no_op:
         raise TrainError(f"every optimizer step ({len(metrics)}) had a non-finite loss or gradient: nothing was learned",
@@ -560,8 +555,6 @@ def _metrics_line(step: int, sums: torch.Tensor, n: int, grad_norm: float, cfg: 
 def _load_ema(state_in: Path | None, transformer) -> dict:
     from safetensors.torch import load_file
 
-    from tpkit.models.base import lora_state
-
     path = state_in / "ema.safetensors" if state_in else None
     if path and path.is_file():
         return load_file(path)
@@ -576,8 +569,6 @@ def ema_decay(decay: float, step: int) -> float:
 
 @torch.no_grad()
 def _update_ema(ema: dict, transformer, decay: float) -> None:
-    from tpkit.models.base import lora_state
-
     for k, v in lora_state(transformer).items():
         ema[k].mul_(decay).add_(v.detach().float().cpu(), alpha=1 - decay)
 
@@ -602,8 +593,6 @@ def _save_state(folder: Path, optimizer, ema: dict | None, global_step: int) -> 
 def _write_checkpoint(folder: Path, transformer, optimizer, ema: dict | None, progress: dict) -> None:
     """LoRA weights, optimizer, EMA and progress, swapped in as a whole folder (never half-written)."""
     from safetensors.torch import save
-
-    from tpkit.models.base import lora_state
 
     tmp = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -17,8 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tpkit import layout
+from tpkit import layout, models
+from tpkit.config import ScoreConfig, field_names
 from tpkit.errors import InputError
+from tpkit.rewards.registry import load_rewards
+from tpkit.rollout import sampling_lora
+from tpkit.score import BranchScorer
 
 STORED_TOLERANCE = 1e-4  # |recomputed R_k - stored R_k| above this is reported (batching, other hardware)
 
@@ -57,12 +61,6 @@ def run(rollout: Path, scores: Path, advantages: Path | None, trajectory_id: str
     """Recompute, check and draw one trajectory; returns {"trajectory_id", "png", "steps" (its advantages rows),
     "stored" ({k: R_k} as scored: every k, or K alone for Flow-GRPO), "recomputed" (R_0..R_K),
     "max_difference" (over the stored ones), "images" (the branch images, uint8 [H, W, 3])}."""
-    from tpkit import models
-    from tpkit.config import ScoreConfig, field_names
-    from tpkit.rewards import load_rewards
-    from tpkit.rollout import sampling_lora
-    from tpkit.score import BranchScorer
-
     # 1. The stages' files, and which trajectory.
     rollout, scores = Path(rollout), Path(scores)
     ro = layout.read_manifest(rollout, "rollout")

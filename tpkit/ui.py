@@ -6,13 +6,17 @@ Library stages report progress through `track`; `tpkit inspect ... > file` captu
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from typing import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 console = Console(stderr=True)
-out = Console()
+# Results on stdout. Not on a terminal (a file, a log, a pipe) Rich would assume 80 columns and cut wide
+# tables' headers to "held-…": give them room instead (COLUMNS, when set, still decides).
+out = Console() if sys.stdout.isatty() or os.environ.get("COLUMNS") else Console(width=200)
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from tpkit.errors import ConfigError
+from tpkit.layout import atomic_write
 
 __all__ = [
     "CLASSES", "COLORS", "RELATIONS", "NUMBERS", "TAGS", "TEMPLATES", "GENEVAL_SEED", "GENEVAL_N",
@@ -514,8 +515,6 @@ def validate(item: Mapping[str, Any]) -> None:
 
 def write_jsonl(path: Path | str, items: Iterable[Mapping[str, Any]]) -> Path:
     """One JSON object a line (GenEval's format: `json.dumps` defaults), written atomically."""
-    from tpkit.layout import atomic_write
-
     path = Path(path)
     atomic_write(path, "".join(json.dumps(dict(it)) + "\n" for it in items).encode())
     return path

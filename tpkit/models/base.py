@@ -21,6 +21,7 @@ import torch
 
 from tpkit import hub
 from tpkit.errors import ModelError
+from tpkit.layout import umask
 from tpkit.runtime import pick_device, pick_dtype, quiet_libraries, set_cpu_threads, tpkit_home, tune_cpu_allocator
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' file name inside an adapter folder
@@ -98,8 +99,6 @@ class Model:
     def save_lora(self, transformer_or_state, config, folder: Path) -> None:
         """Save a diffusers-loadable adapter (`Pipeline.load_lora_weights(folder)`) atomically."""
         import diffusers
-
-        from tpkit.layout import umask
 
         state = transformer_or_state if isinstance(transformer_or_state, dict) else lora_state(transformer_or_state)
         folder = Path(folder)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tpkit.config import FLUX_MODEL
+from tpkit.models.names import FLUX_MODEL
 from tpkit.errors import ModelError
 from tpkit.models import base
 from tpkit.models.base import Model, tiny_tokenizer

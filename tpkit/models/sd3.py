@@ -8,19 +8,20 @@ under $TPKIT_HOME; tiny-shapes ships inside the package.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tpkit.config import SHAPES_MODEL, TINY_MODEL
 from tpkit.errors import ModelError
 from tpkit.models import base
 from tpkit.models.base import Model, tiny_tokenizer
+from tpkit.models.names import SHAPES_MODEL, TINY_MODEL
 from tpkit.runtime import quiet_libraries
 
 NAME = "sd3"
 TINY, SHAPES = TINY_MODEL, SHAPES_MODEL
-_TINY_VERSION = 2  # bump when the tiny architecture changes, so old caches are not reused
+_TINY_VERSION = 3  # bump when the tiny architecture changes, so old caches are not reused
 TINY_RESOLUTION = 64
 
 # The release's LoRA targets: the eight projections of every block's joint attention. Qualified with
@@ -56,57 +57,90 @@ BUILTIN = {TINY: {"resolution": 64, "text_length": 128, "sizes": _TINY_SIZES},
 # --------------------------------------------------------------------------------------------
 
 
-def build_tiny_sd3(path: Path) -> None:
-    """A complete, deterministic, randomly initialised StableDiffusion3Pipeline (about 3 MB).
+@dataclass(frozen=True)
+class TinyArch:
+    """The shape of a tiny SD3 built from constructor arguments; the defaults are tiny-sd3's
+    (`tpkit.shapes.model.Arch` gives tiny-shapes' own)."""
 
-    Same structure as SD3.5-Medium in miniature: a 2-block MMDiT with RMS q/k norm, a VAE that
-    downsamples 8x with 16 latent channels (64 px -> 8x8 latent), two CLIP text encoders with
-    projection and a T5 encoder. The VAE normalises over all channels at once (one group), so
-    that shifts of the latent reach the image: with per-group norms a random decoder maps
-    almost every latent to the same texture and no reward can be learned on CPU.
-    """
+    resolution: int = TINY_RESOLUTION
+    vae_channels: tuple[int, ...] = (16, 16, 16, 16)  # one VAE level per entry: downsamples 2^(levels - 1)
+    latent_channels: int = 16
+    vae_groups: int = 1  # 1: the VAE normalises over all channels at once (see build_tiny_sd3)
+    scaling_factor: float = 1.5305
+    shift_factor: float = 0.0609
+    layers: int = 2
+    heads: int = 2
+    head_dim: int = 16
+    pos_embed_max_size: int = 32
+    clip_hidden: int = 32  # both CLIPs' width; the T5's and the transformer's text width are twice it
+    clip_layers: int = 2
+    clip_heads: int = 2
+    t5_ff: int = 64
+    t5_heads: int = 4
+    t5_layers: int = 1
+    shift: float = 3.0  # FlowMatchEulerDiscreteScheduler's
+
+
+def build_tiny(arch: TinyArch, tok, seed: int = 0):
+    """A randomly initialised `StableDiffusion3Pipeline` of shape `arch` over one tokenizer `tok` (used for
+    all three text encoders), deterministic from `seed`: the one builder of both built-in SD3 models."""
     quiet_libraries()
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    tok = tiny_tokenizer()
-    torch.manual_seed(0)
+    f = 2 ** (len(arch.vae_channels) - 1)
+    torch.manual_seed(seed)
     transformer = SD3Transformer2DModel(
-        sample_size=TINY_RESOLUTION // 8, patch_size=2, in_channels=16, out_channels=16, num_layers=2,
-        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=32,
-        pooled_projection_dim=64, pos_embed_max_size=32, qk_norm="rms_norm",
+        sample_size=arch.resolution // f, patch_size=2, in_channels=arch.latent_channels,
+        out_channels=arch.latent_channels, num_layers=arch.layers, attention_head_dim=arch.head_dim,
+        num_attention_heads=arch.heads, joint_attention_dim=2 * arch.clip_hidden,
+        caption_projection_dim=arch.heads * arch.head_dim, pooled_projection_dim=2 * arch.clip_hidden,
+        pos_embed_max_size=arch.pos_embed_max_size, qk_norm="rms_norm",
     )
-    torch.manual_seed(1)
+    torch.manual_seed(seed + 1)
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=16, sample_size=TINY_RESOLUTION,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(16, 16, 16, 16), layers_per_block=1, norm_num_groups=1,
-        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5305, shift_factor=0.0609,
+        in_channels=3, out_channels=3, latent_channels=arch.latent_channels, sample_size=arch.resolution,
+        down_block_types=("DownEncoderBlock2D",) * len(arch.vae_channels),
+        up_block_types=("UpDecoderBlock2D",) * len(arch.vae_channels), block_out_channels=tuple(arch.vae_channels),
+        layers_per_block=1, norm_num_groups=arch.vae_groups, use_quant_conv=False, use_post_quant_conv=False,
+        scaling_factor=arch.scaling_factor, shift_factor=arch.shift_factor,
     )
-    clip_cfg = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=2, projection_dim=32, max_position_embeddings=77,
-                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(2)
-    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
-    torch.manual_seed(3)
-    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_cfg))
-    torch.manual_seed(4)
-    text_encoder_3 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=64, d_ff=64, d_kv=16, num_layers=1,
-                                             num_heads=4, decoder_start_token_id=0, pad_token_id=tok.pad_token_id))
-    pipe = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+    clip = dict(vocab_size=len(tok), hidden_size=arch.clip_hidden, intermediate_size=2 * arch.clip_hidden,
+                num_hidden_layers=arch.clip_layers, num_attention_heads=arch.clip_heads, projection_dim=arch.clip_hidden,
+                max_position_embeddings=tok.model_max_length, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed + 2)
+    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip))
+    torch.manual_seed(seed + 3)
+    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip))
+    torch.manual_seed(seed + 4)
+    text_encoder_3 = T5EncoderModel(T5Config(
+        vocab_size=len(tok), d_model=2 * arch.clip_hidden, d_ff=arch.t5_ff, d_kv=arch.clip_hidden // arch.clip_heads,
+        num_layers=arch.t5_layers, num_heads=arch.t5_heads, decoder_start_token_id=tok.bos_token_id,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, dropout_rate=0.0))
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=arch.shift), vae=vae,
         text_encoder=text_encoder, tokenizer=tok, text_encoder_2=text_encoder_2, tokenizer_2=tok,
         text_encoder_3=text_encoder_3, tokenizer_3=tok,
     )
-    pipe.save_pretrained(path)
+
+
+def build_tiny_sd3(path: Path) -> None:
+    """tiny-sd3: a complete, deterministic, randomly initialised StableDiffusion3Pipeline (about 3 MB).
+
+    Same structure as SD3.5-Medium in miniature: a 2-block MMDiT with RMS q/k norm, a VAE that
+    downsamples 8x with 16 latent channels (64 px -> 8x8 latent), two CLIP text encoders with
+    projection and a T5 encoder, over a byte-level tokenizer. The VAE normalises over all channels
+    at once (one group), so that shifts of the latent reach the image: with per-group norms a random
+    decoder maps almost every latent to the same texture and no reward can be learned on CPU.
+    """
+    build_tiny(TinyArch(), tiny_tokenizer()).save_pretrained(path)
 
 
 def location(model: str) -> Path | None:
     """Where a built-in model lives (tiny-shapes: inside the package; tiny-sd3: built on first use); None otherwise."""
     if model == SHAPES:
-        from tpkit.shapes_model import weights_dir
-
-        return weights_dir()
+        return Path(__file__).resolve().parent / SHAPES
     return base.built_path(TINY, _TINY_VERSION) if model == TINY else None
 
 

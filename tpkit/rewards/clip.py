@@ -2,7 +2,7 @@
 
 Each factory loads its models once (by hub id or local folder, through `tpkit.hub.load`, so a
 missing model fails at start-up with a message naming the option to set), puts them in eval
-mode on `reward_device()` and returns a callable `(images, prompts, metadata) -> list[float]`
+mode on `pick_device("auto")` and returns a callable `(images, prompts, metadata) -> list[float]`
 that scores in batches under `torch.no_grad()`.
 
 - pickscore: `logit_scale.exp() * cos(image, prompt) * scale` with the PickScore_v1 CLIP-H/14
@@ -27,7 +27,8 @@ from torch import nn
 
 from tpkit import hub
 from tpkit.errors import ModelError, RewardError
-from tpkit.rewards import RewardFn, reward_device, take_options
+from tpkit.rewards.options import RewardFn, take_options
+from tpkit.runtime import pick_device
 
 MAX_TEXT_TOKENS = 77  # CLIP's context length; PickScore's reference truncates prompts to it
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -89,7 +90,7 @@ class ClipEmbedder:
                  what: str = "CLIP model"):
         from transformers import CLIPModel, CLIPProcessor
 
-        self.device = reward_device()
+        self.device = pick_device("auto")
         self.dtype = _dtype(reward, dtype, self.device)
         self.batch_size = batch_size
         proc_option = "processor" if processor is not None else "model"
@@ -171,7 +172,7 @@ def pickscore(options: dict) -> RewardFn:
 
 
 def pickscore_files(options: dict) -> list[tuple]:
-    """What pickscore loads (see rewards.REQUIREMENTS): CLIP weights, and the processor from another repo."""
+    """What pickscore loads (see registry.REQUIREMENTS): CLIP weights, and the processor from another repo."""
     return [("model", str(options.get("model", PICKSCORE_MODEL)), "clip-model", "model"),
             ("processor", str(options.get("processor", PICKSCORE_PROCESSOR)), "processor", "processor")]
 
@@ -193,7 +194,7 @@ def clipscore(options: dict) -> RewardFn:
 
 
 def clipscore_files(options: dict) -> list[tuple]:
-    """What clipscore loads (see rewards.REQUIREMENTS): a CLIP model with its processor."""
+    """What clipscore loads (see registry.REQUIREMENTS): a CLIP model with its processor."""
     return [("model", str(options.get("model", CLIP_L14)), "clip", "model")]
 
 
@@ -265,6 +266,6 @@ def aesthetic(options: dict) -> RewardFn:
 
 
 def aesthetic_files(options: dict) -> list[tuple]:
-    """What aesthetic loads (see rewards.REQUIREMENTS): a CLIP model with its processor, and the head's file."""
+    """What aesthetic loads (see registry.REQUIREMENTS): a CLIP model with its processor, and the head's file."""
     return [("model", str(options.get("model", CLIP_L14)), "clip", "model"),
             ("head", str(options.get("head", AESTHETIC_HEAD)), "file", "head")]

@@ -33,9 +33,10 @@ import numpy as np
 import torch
 
 from tpkit import hub
-from tpkit.clip_rewards import AestheticHead, _batch_size, _dtype
+from tpkit.rewards.clip import AestheticHead, _batch_size, _dtype
 from tpkit.errors import ModelError
-from tpkit.rewards import RewardFn, reward_device, take_options
+from tpkit.rewards.options import RewardFn, take_options
+from tpkit.runtime import pick_device
 
 CHECKPOINT = "THUDM/ImageReward:ImageReward.pt"
 TOKENIZER = "google-bert/bert-base-uncased"
@@ -190,7 +191,7 @@ def imagereward(options: dict) -> RewardFn:
     or hub id), batch_size, dtype (float32 default; float16/bfloat16 only used on CUDA)."""
     o = take_options("imagereward", options, {"checkpoint": CHECKPOINT, "tokenizer": TOKENIZER, "batch_size": 16,
                                               "dtype": "float32"})
-    device = reward_device()
+    device = pick_device("auto")
     tokenizer = load_tokenizer(str(o["tokenizer"]))  # small: fail before reading 1.7 GB of weights
     path = hub.file(str(o["checkpoint"]), "ImageReward checkpoint", FIX)
     model = ImageReward(load_checkpoint(path), tokenizer, _batch_size("imagereward", o["batch_size"]),
@@ -203,6 +204,6 @@ def imagereward(options: dict) -> RewardFn:
 
 
 def imagereward_files(options: dict) -> list[tuple]:
-    """What imagereward loads (see rewards.REQUIREMENTS): the checkpoint file and a BERT tokenizer."""
+    """What imagereward loads (see registry.REQUIREMENTS): the checkpoint file and a BERT tokenizer."""
     return [("checkpoint", str(options.get("checkpoint", CHECKPOINT)), "file", "checkpoint"),
             ("tokenizer", str(options.get("tokenizer", TOKENIZER)), "bert-tokenizer", "tokenizer")]

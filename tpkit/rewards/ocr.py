@@ -44,7 +44,7 @@ import threading
 from pathlib import Path
 
 from tpkit.errors import ModelError, RewardError
-from tpkit.rewards import RewardFn, take_options
+from tpkit.rewards.options import RewardFn, take_options
 
 DEFAULTS = {
     # recognised lines with a lower confidence are dropped (PaddleOCR's drop_score; 0 keeps all)
@@ -123,7 +123,7 @@ def _wheel_models(rapidocr_mod) -> tuple[Path, Path]:
 
 
 def ocr_files(options: dict) -> list[tuple]:
-    """What ocr loads (see rewards.REQUIREMENTS): the PP-OCR models in the rapidocr wheel (no option moves them)."""
+    """What ocr loads (see registry.REQUIREMENTS): the PP-OCR models in the rapidocr wheel (no option moves them)."""
     import rapidocr
 
     det, rec = _wheel_models(rapidocr)

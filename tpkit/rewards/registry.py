@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tpkit.errors import RewardError
+from tpkit.rewards.options import RewardFn
 
-RewardFn = Callable[[list, list, list], list]
 
 
 def _jpeg_kb(image) -> float:
@@ -53,10 +53,11 @@ def brightness(options: dict) -> RewardFn:
 
 
 def _lazy(module: str, function: str) -> Callable[[dict], Any]:
-    """A function of tpkit.<module> taking the reward's options, imported only when called (keeps the CLI fast)."""
+    """A function of `module` taking the reward's options, imported only when called: the rewards' modules
+    import their models' libraries when built, and `tpkit rewards` / `--help` need none of them."""
 
     def build(options: dict) -> Any:
-        return getattr(importlib.import_module(f"tpkit.{module}"), function)(options)
+        return getattr(importlib.import_module(module), function)(options)
 
     return build
 
@@ -67,25 +68,25 @@ BUILTIN: dict[str, tuple[Callable[[dict], RewardFn], str]] = {
     "jpeg-compressibility": (jpeg_compressibility, "nothing: minus the JPEG size in kB (quality 95), as in DDPO"),
     "jpeg-incompressibility": (jpeg_incompressibility, "nothing: the JPEG size in kB (quality 95), as in DDPO"),
     "brightness": (brightness, "nothing: mean luma in [0, 1] (a smoke-test reward a tiny model can learn fast)"),
-    "pickscore": (_lazy("clip_rewards", "pickscore"),
+    "pickscore": (_lazy("tpkit.rewards.clip", "pickscore"),
                   "PickScore: yuvalkirstain/PickScore_v1 + processor laion/CLIP-ViT-H-14-laion2B-s32B-b79K "
                   "(options: model, processor, scale = 1/26 for the reference's training scale, batch_size, dtype)"),
-    "clipscore": (_lazy("clip_rewards", "clipscore"),
+    "clipscore": (_lazy("tpkit.rewards.clip", "clipscore"),
                   "CLIP ViT-L/14: openai/clip-vit-large-patch14 (options: model, weight, batch_size, dtype)"),
-    "aesthetic": (_lazy("clip_rewards", "aesthetic"),
+    "aesthetic": (_lazy("tpkit.rewards.clip", "aesthetic"),
                   "LAION aesthetic predictor v2: CLIP ViT-L/14 + its MLP head weights "
                   "(options: model, head = file path or repo_id:filename, batch_size, dtype)"),
-    "imagereward": (_lazy("image_reward", "imagereward"),
+    "imagereward": (_lazy("tpkit.rewards.image_reward", "imagereward"),
                     "ImageReward-v1.0: THUDM/ImageReward:ImageReward.pt + tokenizer google-bert/bert-base-uncased, on transformers' "
                     "BLIP modules (options: checkpoint = file path or repo_id:filename, tokenizer, batch_size, dtype)"),
-    "ocr": (_lazy("ocr", "ocr"),
+    "ocr": (_lazy("tpkit.rewards.ocr", "ocr"),
             "nothing to download: rapidocr + onnxruntime (PP-OCR weights ship in the wheel), rapidfuzz"),
-    "geneval": (_lazy("geneval", "geneval_reward"),
+    "geneval": (_lazy("tpkit.rewards.geneval", "geneval_reward"),
                 "a Mask2Former COCO instance detector + CLIP ViT-L/14 colour classifier; prompts need GenEval "
                 "metadata; the dense Flow-GRPO score (options: detector (detector=shapes: the weight-free detector of "
-                "tpkit.shapes scenes, no CLIP; workers: processes for it), clip, batch_size, soft (true: averaged "
+                "tpkit.shapes.scenes, no CLIP; workers: processes for it), clip, batch_size, soft (true: averaged "
                 "over detection thresholds, continuous in the detections' confidences))"),
-    "geneval-strict": (_lazy("geneval", "geneval_strict"),
+    "geneval-strict": (_lazy("tpkit.rewards.geneval", "geneval_strict"),
                        "as geneval, but GenEval's 0/1 verdict (options: detector, clip, batch_size, workers)"),
 }
 
@@ -98,30 +99,14 @@ BUILTIN: dict[str, tuple[Callable[[dict], RewardFn], str]] = {
 # image processor), "bert-tokenizer", or "file" (one weight file: a path or repo_id:filename);
 # option is the reward option that points elsewhere (None: no option does).
 REQUIREMENTS: dict[str, tuple[str | None, Callable[[dict], list[tuple]]]] = {
-    "pickscore": (None, _lazy("clip_rewards", "pickscore_files")),
-    "clipscore": (None, _lazy("clip_rewards", "clipscore_files")),
-    "aesthetic": (None, _lazy("clip_rewards", "aesthetic_files")),
-    "imagereward": (None, _lazy("image_reward", "imagereward_files")),
-    "ocr": ("ocr", _lazy("ocr", "ocr_files")),
-    "geneval": ("geneval", _lazy("geneval", "geneval_files")),
-    "geneval-strict": ("geneval", _lazy("geneval", "geneval_files")),
+    "pickscore": (None, _lazy("tpkit.rewards.clip", "pickscore_files")),
+    "clipscore": (None, _lazy("tpkit.rewards.clip", "clipscore_files")),
+    "aesthetic": (None, _lazy("tpkit.rewards.clip", "aesthetic_files")),
+    "imagereward": (None, _lazy("tpkit.rewards.image_reward", "imagereward_files")),
+    "ocr": ("ocr", _lazy("tpkit.rewards.ocr", "ocr_files")),
+    "geneval": ("geneval", _lazy("tpkit.rewards.geneval", "geneval_files")),
+    "geneval-strict": ("geneval", _lazy("tpkit.rewards.geneval", "geneval_files")),
 }
-
-
-def take_options(reward: str, options: dict, defaults: dict) -> dict:
-    """The reward's options over its defaults; an unknown option is an error naming the valid ones."""
-    unknown = set(options) - set(defaults)
-    if unknown:
-        raise RewardError(f"reward {reward!r} has no option {sorted(unknown)[0]!r}",
-                          f"valid options: {', '.join(sorted(defaults)) or 'none'}")
-    return {**defaults, **options}
-
-
-def reward_device():
-    """Where reward models run: this process's GPU if there is one, else the CPU."""
-    from tpkit.runtime import pick_device
-
-    return pick_device("auto")
 
 
 @dataclass

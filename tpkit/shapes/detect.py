@@ -1,4 +1,4 @@
-"""A weight-free detector for `tpkit.shapes` scenes: GenEval detections (class, score, box, colour).
+"""A weight-free detector for `tpkit.shapes.scenes` scenes: GenEval detections (class, score, box, colour).
 
 `tpkit eval geneval --detector shapes` and the `geneval` / `geneval-strict` rewards with option
 `detector=shapes` use it in place of Mask2Former + CLIP: it reports each object's colour itself, so no
@@ -8,7 +8,7 @@ How it works, per image
 -----------------------
 1. Work at `WORK` px (64): larger images are box-averaged down (boxes are scaled back up after).
 2. Colour segmentation, tolerant of blur, noise and washed-out colours: every pixel is projected on
-   each line from the white background to a palette colour (`tpkit.shapes.PALETTE`): alpha is how
+   each line from the white background to a palette colour (`tpkit.shapes.scenes.PALETTE`): alpha is how
    far along (0 white, 1 the colour), the residual how far off the line. A pixel is colour c when
    it is at least half way to c (alpha >= 0.5) and within `MAX_RESIDUAL` of c's line (the closest
    line wins), background when it is less than half way to every colour, else nothing (the blend
@@ -59,7 +59,7 @@ dropped or misread; off-palette colours (orange, purple, grey) are not objects a
 in two palette colours (tiny-shapes sometimes bleeds a second colour into one) is split into two
 segments that each fit badly: with the second colour over the right 20 % of its width the class is
 still found (0.975 of them above 0.9), over 35 % 0.825 above 0.3 and 0.645 above 0.9, over half 0.525
-and 0.140 (`bench/detector_two_colours.py`), where GenEval's detector would see one object. Heavier
+and 0.140 (`bench/shapes/detector_two_colours.py`), where GenEval's detector would see one object. Heavier
 degradation costs objects: at blur 2 px + noise 20 small triangles lose their tips to the noise
 (missed, rarely read as another class) and about 1 in 10 small circles and squares read as
 diamonds and circles. Images made of blocks (a palette colour field upsampled from a coarse grid)
@@ -85,7 +85,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tpkit import shapes
+from tpkit.shapes import scenes as shapes
 
 WORK = shapes.CANVAS
 MIN_AREA = 20  # px at WORK size
@@ -534,7 +534,7 @@ def _describe(obj: np.ndarray, core: np.ndarray, others: np.ndarray, ignore: np.
 
 
 class ShapesDetector:
-    """`detector=shapes`: the GenEval judge's detector for `tpkit.shapes` scenes (no weights, no device).
+    """`detector=shapes`: the GenEval judge's detector for `tpkit.shapes.scenes` scenes (no weights, no device).
 
     workers >= 2 spreads the images over that many processes (started on first use, kept for the
     process's life): the detector is NumPy on one core (~8 ms an image), so where the model runs on a

@@ -1,4 +1,4 @@
-"""`tiny-shapes`: a laptop-sized SD3 pretrained with flow matching on `tpkit.shapes` scenes.
+"""`tiny-shapes`: a laptop-sized SD3 pretrained with flow matching on `tpkit.shapes.scenes` scenes.
 
 The model is an ordinary diffusers `StableDiffusion3Pipeline`, saved with `save_pretrained` inside
 the package (`tpkit/models/tiny-shapes/`) and loaded by `tpkit.models.load("tiny-shapes")` through
@@ -8,7 +8,7 @@ the package (`tpkit/models/tiny-shapes/`) and loaded by `tpkit.models.load("tiny
   corners; 8x would leave a 10 px triangle one latent pixel).
 * Transformer (`SD3Transformer2DModel`): MMDiT with RMS q/k norm, patch 2 -> 64 image tokens.
 * Text: two tiny CLIP text encoders with projection and a tiny T5 encoder, all over one
-  word-level `CLIPTokenizer` of the closed caption vocabulary (every word of every `tpkit.shapes`
+  word-level `CLIPTokenizer` of the closed caption vocabulary (every word of every `tpkit.shapes.scenes`
   prompt is one token; the longest prompt is 10 words + 2 specials). CLIP pads to `CLIP_LENGTH`,
   T5 to the pipeline's `max_sequence_length`: sample with `max_sequence_length=TEXT_LENGTH`, the
   length it was trained with.
@@ -47,8 +47,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from tpkit import formulas, models
+from tpkit.errors import ConfigError, InputError
+from tpkit.geneval import detectors
+from tpkit.models import sd3
 from tpkit.models.sd3 import BUILTIN, SHAPES
+from tpkit.shapes import scenes as shapes
+from tpkit.ui import console
 
 NAME = SHAPES
 RESOLUTION = BUILTIN[NAME]["resolution"]  # pixels
@@ -63,7 +70,7 @@ SPECIALS = ("<|startoftext|>", "<|endoftext|>")  # ids 0 and 1 (CLIP pools at th
 
 def weights_dir() -> Path:
     """The committed pipeline folder inside the installed package."""
-    return Path(__file__).resolve().parent / "models" / NAME
+    return sd3.location(NAME)
 
 
 @dataclass
@@ -115,8 +122,6 @@ class Recipe:
 
 def caption_words() -> list[str]:
     """Every word of every shapes prompt (both splits: the closed vocabulary), plus "an"."""
-    from tpkit import shapes
-
     words = {"an"}
     for tag in shapes.TAGS:
         for m in shapes.split_prompts(tag):
@@ -166,47 +171,15 @@ def word_tokenizer(words: list[str], max_length: int = CLIP_LENGTH):
 
 def build_pipeline(arch: Arch | None = None, seed: int = SEED, words: list[str] | None = None):
     """A randomly initialised tiny-shapes `StableDiffusion3Pipeline` (deterministic from `seed`)."""
-    from tpkit.runtime import quiet_libraries
-
-    quiet_libraries()
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-
     arch = arch or Arch()
-    tok = word_tokenizer(words or caption_words())
     f = 2 ** (len(arch.vae_channels) - 1)
-    torch.manual_seed(seed)
-    transformer = SD3Transformer2DModel(
-        sample_size=RESOLUTION // f, patch_size=2, in_channels=arch.latent_channels, out_channels=arch.latent_channels,
-        num_layers=arch.layers, attention_head_dim=arch.head_dim, num_attention_heads=arch.heads,
-        joint_attention_dim=2 * arch.clip_hidden, caption_projection_dim=arch.heads * arch.head_dim,
-        pooled_projection_dim=2 * arch.clip_hidden, pos_embed_max_size=2 * RESOLUTION // f // 2, qk_norm="rms_norm",
-    )
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=arch.latent_channels, sample_size=RESOLUTION,
-        down_block_types=("DownEncoderBlock2D",) * len(arch.vae_channels),
-        up_block_types=("UpDecoderBlock2D",) * len(arch.vae_channels), block_out_channels=tuple(arch.vae_channels),
-        layers_per_block=1, norm_num_groups=arch.vae_groups, use_quant_conv=False, use_post_quant_conv=False,
-        scaling_factor=1.0, shift_factor=0.0,
-    )
-    clip = dict(vocab_size=len(tok), hidden_size=arch.clip_hidden, intermediate_size=2 * arch.clip_hidden,
-                num_hidden_layers=arch.clip_layers, num_attention_heads=arch.clip_heads, projection_dim=arch.clip_hidden,
-                max_position_embeddings=CLIP_LENGTH, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id)
-    torch.manual_seed(seed + 2)
-    te1 = CLIPTextModelWithProjection(CLIPTextConfig(**clip))
-    torch.manual_seed(seed + 3)
-    te2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip))
-    torch.manual_seed(seed + 4)
-    te3 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=2 * arch.clip_hidden, d_ff=4 * arch.clip_hidden,
-                                  d_kv=arch.clip_hidden // arch.clip_heads, num_layers=arch.t5_layers,
-                                  num_heads=arch.clip_heads, decoder_start_token_id=tok.bos_token_id,
-                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, dropout_rate=0.0))
-    return StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT), vae=vae,
-        text_encoder=te1, tokenizer=tok, text_encoder_2=te2, tokenizer_2=tok, text_encoder_3=te3, tokenizer_3=tok,
-    )
+    shape = sd3.TinyArch(
+        resolution=RESOLUTION, vae_channels=tuple(arch.vae_channels), latent_channels=arch.latent_channels,
+        vae_groups=arch.vae_groups, scaling_factor=1.0, shift_factor=0.0,  # set from latent statistics after the VAE phase
+        layers=arch.layers, heads=arch.heads, head_dim=arch.head_dim, pos_embed_max_size=RESOLUTION // f,
+        clip_hidden=arch.clip_hidden, clip_layers=arch.clip_layers, clip_heads=arch.clip_heads,
+        t5_ff=4 * arch.clip_hidden, t5_heads=arch.clip_heads, t5_layers=arch.t5_layers, shift=SHIFT)
+    return sd3.build_tiny(shape, word_tokenizer(words or caption_words()), seed)
 
 
 def n_params(module) -> int:
@@ -220,17 +193,32 @@ def n_params(module) -> int:
 
 def _images(scenes) -> torch.Tensor:
     """Rendered scenes -> float [B, 3, H, W] in [-1, 1]."""
-    from tpkit import shapes
-
     arr = np.stack([shapes.render(s, RESOLUTION) for s in scenes])
     return torch.from_numpy(arr).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+
+def task_weights(items: list[str], current: tuple[float, ...] | None = None) -> tuple[float, ...]:
+    """`--task-weight TAG=W` items over `current` (None: every task 1) -> weights in `shapes.TAGS` order;
+    a bad item, or every weight 0, is an InputError naming the fix."""
+    weights = dict(zip(shapes.TAGS, current or [1.0] * len(shapes.TAGS)))
+    for item in items:
+        tag, _, w = item.partition("=")
+        try:
+            w = float(w)
+        except ValueError:
+            w = -1.0
+        if tag not in weights or not 0 <= w < float("inf"):
+            raise InputError(f"--task-weight {item!r} is not TAG=W with a finite weight >= 0",
+                             f"TAG is one of {', '.join(shapes.TAGS)}, e.g. --task-weight counting=1.5")
+        weights[tag] = w
+    if sum(weights.values()) <= 0:
+        raise InputError("--task-weight gives every task weight 0", "give at least one task a positive weight")
+    return tuple(weights[t] for t in shapes.TAGS)
 
 
 def random_scenes(rng: np.random.Generator, n: int, task_weights: tuple[float, ...] | None = None) -> list:
     """Scenes for random prompts of both splits (prompt uniform within a task; tasks alike, or drawn
     with the relative `task_weights`, in `shapes.TAGS` order)."""
-    from tpkit import shapes
-
     if task_weights is None:  # its own draw, so that the uniform recipe's data stays what it was
         return [shapes.sample_scene(rng, size=RESOLUTION) for _ in range(n)]
     p = np.asarray(task_weights, dtype=float) / sum(task_weights)
@@ -466,114 +454,148 @@ class _Trainer:
         return pipe
 
 
+class _Session:
+    """One call of `train`: its time budget, a checkpoint every few minutes, the progress bar, and a log
+    line now and then when the bar cannot be drawn (`nohup ... > log`)."""
+
+    def __init__(self, tr: _Trainer, bar, max_minutes: float | None, progress: bool, tune_threads: bool):
+        self.tr, self.bar, self.max_minutes, self.progress = tr, bar, max_minutes, progress
+        self.threads = ThreadTuner() if tune_threads else contextlib.nullcontext()
+        self.start = self.last_checkpoint = time.monotonic()
+        self.seconds0 = tr.seconds
+
+    def tick(self) -> bool:
+        """Account time; checkpoint every few minutes; False when this call's budget is spent."""
+        now = time.monotonic()
+        self.tr.seconds = self.seconds0 + now - self.start
+        if now - self.last_checkpoint > self.tr.r.checkpoint_minutes * 60:
+            self.tr.checkpoint()
+            self.last_checkpoint = now
+        return self.max_minutes is None or now - self.start < self.max_minutes * 60
+
+    def stepped(self, phase: str, name: str, value: float, smoothed: list, task, total: int) -> None:
+        """One finished step of a phase: smoothed loss (kept every 10 steps), progress bar, log line."""
+        tr = self.tr
+        tr.step += 1
+        smoothed[0] = value if smoothed[0] is None else 0.98 * smoothed[0] + 0.02 * value
+        if tr.step % 10 == 0:
+            tr.losses.append((phase, tr.step, smoothed[0]))
+        self.bar.update(task, advance=1, info=f"{name} {smoothed[0]:.4f} ({torch.get_num_threads()} thr)")
+        if self.progress and not console.is_terminal and tr.step % 50 == 0:
+            console.print(f"{phase} {tr.step}/{total} {name} {smoothed[0]:.4f} ({torch.get_num_threads()} threads, "
+                          f"{tr.seconds / 60:.1f} min)", highlight=False)
+
+
+def _claim(out: Path) -> None:
+    """A folder is a pretraining run once it holds state.pt (written before anything else is, through
+    state.pt.tmp); anything else in it (an RL run folder given as --out by mistake) is refused, not written into."""
+    if out.is_file() or (out.is_dir() and not (out / "state.pt").is_file()
+                         and any(p.name != "state.pt.tmp" and not p.name.startswith(".") for p in out.iterdir())):
+        raise InputError(f"{out} is {'a file' if out.is_file() else 'a folder of other files'}, not a pretraining run",
+                         "pass a new or empty --out folder (or the folder of the run to continue)")
+
+
+def _resume(tr: _Trainer, r: Recipe) -> None:
+    """Continue the run in tr.out/state.pt, if its recipe is `r`'s. It may be lengthened or shortened while
+    every step it took had the learning rate the new length gives it too (before either cooldown began);
+    a field added since that run keeps its default."""
+    st = torch.load(tr.out / "state.pt", weights_only=False)
+    free = ("flow_steps", "snapshot_every", "checkpoint_minutes")
+    mine = {k: v for k, v in asdict(r).items() if k not in free}
+    theirs = {**mine, **{k: v for k, v in st["recipe"].items() if k not in free}}
+    if theirs != mine:
+        differ = ", ".join(f"{k} {theirs[k]} (now {mine[k]})" for k in mine if theirs[k] != mine[k])
+        raise ConfigError(f"{tr.out} holds a run with another recipe: {differ}",
+                          "rerun with that run's options (e.g. its --task-weight) or use a fresh --out folder")
+    then = replace(r, flow_steps=st["recipe"].get("flow_steps", r.flow_steps))
+    taken = st["step"] if st["phase"] in ("flow", "done") else 0
+    if any(flow_lr(then, s) != flow_lr(r, s) for s in range(taken)):
+        raise ConfigError(f"{tr.out} took {taken} of {then.flow_steps} flow steps, into its learning-rate cooldown: "
+                          f"{r.flow_steps} steps would continue at another rate than it trained with",
+                          f"pass --flow-steps {then.flow_steps} (its own) or use a fresh --out folder")
+    tr.load(st)
+    console.print(f"resuming {tr.out}: phase {tr.phase}, step {tr.step}, {tr.seconds / 60:.1f} min so far")
+
+
+def _vae_phase(tr: _Trainer, s: _Session) -> bool:
+    """Phase 1: the autoencoder alone, then frozen with its latent statistics. False: out of time (checkpointed)."""
+    r = tr.r
+    task = s.bar.add_task("vae", total=r.vae_steps, completed=tr.step, info="")
+    smoothed = [None]
+    while tr.step < r.vae_steps:
+        with s.threads:
+            l1 = tr.vae_step()
+        s.stepped("vae", "L1", l1, smoothed, task, r.vae_steps)
+        if not s.tick():
+            tr.checkpoint()
+            return False
+    tr.finish_vae()
+    tr.phase, tr.step = "data", 0
+    tr.checkpoint()
+    return True
+
+
+def _data_phase(tr: _Trainer, s: _Session) -> bool:
+    """Phase 2: scenes encoded once into latent chunks on disk (each chunk a file: a rerun skips the
+    finished ones). False: out of time."""
+    n_chunks = math.ceil(tr.r.data_scenes / tr.r.data_chunk)
+    task = s.bar.add_task("data", total=n_chunks, info="")
+    for i in range(n_chunks):
+        s.bar.update(task, advance=1)
+        if tr.chunk_path(i).is_file():
+            continue
+        tr.make_chunk(i)
+        if not s.tick():
+            return False
+    tr.phase, tr.step = "flow", 0
+    tr.checkpoint()
+    return True
+
+
+def _flow_phase(tr: _Trainer, s: _Session) -> bool:
+    """Phase 3: transformer and text encoders on the latents, EMA snapshots every `snapshot_every` steps.
+    False: out of time (checkpointed)."""
+    r = tr.r
+    tr.load_data()
+    task = s.bar.add_task("flow", total=r.flow_steps, completed=tr.step, info="")
+    smoothed = [None]
+    while tr.step < r.flow_steps:
+        with s.threads:
+            loss = tr.flow_step()
+        s.stepped("flow", "loss", loss, smoothed, task, r.flow_steps)
+        if r.snapshot_every and tr.step % r.snapshot_every == 0 and tr.step < r.flow_steps:
+            save_pipeline(tr.ema_pipeline(), tr.out / "snapshots" / f"step-{tr.step:05d}")
+        if not s.tick():
+            tr.checkpoint()
+            return False
+    return True
+
+
 def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = None, progress: bool = True,
           tune_threads: bool = True) -> Path | None:
     """Run (or continue) pretraining into `out`; returns `out/pipeline` once finished, None when
     `max_minutes` of this call ran out first (rerun to continue). tune_threads: let `ThreadTuner` pick
     1 or all threads (faster on a shared CPU; floating-point results then depend on its picks)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from tpkit.ui import console
-
-    from tpkit.errors import ConfigError, InputError
-
-    r = recipe or Recipe()
-    out = Path(out)
-    # a folder is a pretraining run once it holds state.pt (written before anything else is, through
-    # state.pt.tmp); anything else in it (an RL run folder given as --out by mistake) is refused, not written into
-    if out.is_file() or (out.is_dir() and not (out / "state.pt").is_file()
-                         and any(p.name != "state.pt.tmp" and not p.name.startswith(".") for p in out.iterdir())):
-        raise InputError(f"{out} is {'a file' if out.is_file() else 'a folder of other files'}, not a pretraining run",
-                         "pass a new or empty --out folder (or the folder of the run to continue)")
+    r, out = recipe or Recipe(), Path(out)
+    # 1. The folder: new, empty, or a run of this recipe to continue.
+    _claim(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(r.seed)
     tr = _Trainer(out, r)
     if (out / "state.pt").is_file():
-        st = torch.load(out / "state.pt", weights_only=False)
-        # the run may be lengthened or shortened while every step it took had the learning rate the new
-        # length gives it too (before either cooldown began); a field added since that run keeps its default
-        free = ("flow_steps", "snapshot_every", "checkpoint_minutes")
-        mine = {k: v for k, v in asdict(r).items() if k not in free}
-        theirs = {**mine, **{k: v for k, v in st["recipe"].items() if k not in free}}
-        if theirs != mine:
-            differ = ", ".join(f"{k} {theirs[k]} (now {mine[k]})" for k in mine if theirs[k] != mine[k])
-            raise ConfigError(f"{out} holds a run with another recipe: {differ}",
-                              "rerun with that run's options (e.g. its --task-weight) or use a fresh --out folder")
-        then = replace(r, flow_steps=st["recipe"].get("flow_steps", r.flow_steps))
-        taken = st["step"] if st["phase"] in ("flow", "done") else 0
-        if any(flow_lr(then, s) != flow_lr(r, s) for s in range(taken)):
-            raise ConfigError(f"{out} took {taken} of {then.flow_steps} flow steps, into its learning-rate cooldown: "
-                              f"{r.flow_steps} steps would continue at another rate than it trained with",
-                              f"pass --flow-steps {then.flow_steps} (its own) or use a fresh --out folder")
-        tr.load(st)
-        console.print(f"resuming {out}: phase {tr.phase}, step {tr.step}, {tr.seconds / 60:.1f} min so far")
-    n_chunks = math.ceil(r.data_scenes / r.data_chunk)
-    threads = ThreadTuner() if tune_threads else contextlib.nullcontext()
-    start = last_ckpt = time.monotonic()
-    seconds0 = tr.seconds
-
-    def tick() -> bool:
-        """Account time; checkpoint every few minutes; False when this call's budget is spent."""
-        nonlocal last_ckpt
-        now = time.monotonic()
-        tr.seconds = seconds0 + now - start
-        if now - last_ckpt > r.checkpoint_minutes * 60:
-            tr.checkpoint()
-            last_ckpt = now
-        return max_minutes is None or now - start < max_minutes * 60
-
-    def log(text: str) -> None:  # a line now and then when the progress bar cannot be drawn (nohup ... > log)
-        if progress and not console.is_terminal and tr.step % 50 == 0:
-            console.print(f"{text} ({torch.get_num_threads()} threads, {tr.seconds / 60:.1f} min)", highlight=False)
-
-    def report(phase: str, name: str, value: float, smoothed: list, task, total: int) -> None:
-        """One finished step of a phase: smoothed loss (kept every 10 steps), progress bar, log line."""
-        tr.step += 1
-        smoothed[0] = value if smoothed[0] is None else 0.98 * smoothed[0] + 0.02 * value
-        if tr.step % 10 == 0:
-            tr.losses.append((phase, tr.step, smoothed[0]))
-        bar.update(task, advance=1, info=f"{name} {smoothed[0]:.4f} ({torch.get_num_threads()} thr)")
-        log(f"{phase} {tr.step}/{total} {name} {smoothed[0]:.4f}")
-
+        _resume(tr, r)
+    # 2. The phases in order, each resumable, until done or this call's time is spent.
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=console, disable=not progress) as bar:
-        if tr.phase == "vae":
-            task = bar.add_task("vae", total=r.vae_steps, completed=tr.step, info="")
-            smoothed = [None]
-            while tr.step < r.vae_steps:
-                with threads:
-                    l1 = tr.vae_step()
-                report("vae", "L1", l1, smoothed, task, r.vae_steps)
-                if not tick():
-                    tr.checkpoint()
-                    return None
-            tr.finish_vae()
-            tr.phase, tr.step = "data", 0
-            tr.checkpoint()
-        if tr.phase == "data":
-            task = bar.add_task("data", total=n_chunks, info="")
-            for i in range(n_chunks):
-                bar.update(task, advance=1)
-                if tr.chunk_path(i).is_file():
-                    continue
-                tr.make_chunk(i)
-                if not tick():
-                    return None
-            tr.phase, tr.step = "flow", 0
-            tr.checkpoint()
-        tr.load_data()
-        task = bar.add_task("flow", total=r.flow_steps, completed=tr.step, info="")
-        smoothed = [None]
-        while tr.step < r.flow_steps:
-            with threads:
-                loss = tr.flow_step()
-            report("flow", "loss", loss, smoothed, task, r.flow_steps)
-            if r.snapshot_every and tr.step % r.snapshot_every == 0 and tr.step < r.flow_steps:
-                save_pipeline(tr.ema_pipeline(), out / "snapshots" / f"step-{tr.step:05d}")
-            if not tick():
-                tr.checkpoint()
-                return None
+        s = _Session(tr, bar, max_minutes, progress, tune_threads)
+        if tr.phase == "vae" and not _vae_phase(tr, s):
+            return None
+        if tr.phase == "data" and not _data_phase(tr, s):
+            return None
+        if not _flow_phase(tr, s):
+            return None
+    # 3. The EMA weights as a diffusers pipeline.
     tr.phase = "done"
     tr.checkpoint()
     save_pipeline(tr.ema_pipeline(), out / "pipeline")
@@ -588,8 +610,6 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
 
 def _ode_images(m, emb: dict, x: torch.Tensor, steps: int, guidance: float) -> np.ndarray:
     """The evaluation sampler: `steps` Euler ODE steps with CFG from the noise x -> uint8 [B, H, W, 3]."""
-    from tpkit import formulas
-
     sigmas = m.sigmas(steps, RESOLUTION)
     with torch.no_grad():
         for t in range(steps):
@@ -609,14 +629,12 @@ def accuracy(model: str, metadata: list[dict], images_per_prompt: int = 4, steps
 def accuracies(model: str, metadata: list[dict], thresholds: tuple[float | None, ...], images_per_prompt: int = 4,
                steps: int = 40, guidance: float = GUIDANCE, seed: int = 0, batch_size: int = 32,
                text_length: int = TEXT_LENGTH, lora: str | None = None) -> list[dict]:
-    """`accuracy` of the same images judged at each detection threshold (`geneval.judge`; None:
+    """`accuracy` of the same images judged at each detection threshold (`tpkit.geneval.judge`; None:
     GenEval's): one result per threshold, the images sampled once."""
     from PIL import Image
 
-    from tpkit import geneval, models
-
     m = models.load(model, device="cpu", lora=lora)
-    detector, colours = geneval.load_models("shapes")
+    detector, colours = detectors.load_models("shapes")
     jobs = [(meta, j) for meta in metadata for j in range(images_per_prompt)]
     right: list[dict[str, list[bool]]] = [{} for _ in thresholds]
     for b in range(0, len(jobs), batch_size):
@@ -626,7 +644,7 @@ def accuracies(model: str, metadata: list[dict], thresholds: tuple[float | None,
         x = torch.randn(len(batch), *m.latent_shape(RESOLUTION), generator=g)
         images = [Image.fromarray(a) for a in _ode_images(m, emb, x, steps, guidance)]
         for th, out in zip(thresholds, right):
-            judged = geneval.detect_and_judge(images, [meta for meta, _ in batch], detector, colours, threshold=th)
+            judged = detectors.detect_and_judge(images, [meta for meta, _ in batch], detector, colours, threshold=th)
             for (meta, _), jd in zip(batch, judged):
                 out.setdefault(meta["tag"], []).append(bool(jd.correct))
     results = []
@@ -640,8 +658,6 @@ def sample_grid(model: str, prompts: list[str], seeds: list[int], path: Path, st
                 scale: int = 2) -> Path:
     """A captioned PNG: one row per prompt, one column per seed (the eval sampler: ODE, CFG)."""
     from PIL import Image, ImageDraw, ImageFont
-
-    from tpkit import models
 
     m = models.load(model, device="cpu")
     emb = m.encode([p for p in prompts for _ in seeds], TEXT_LENGTH)

@@ -1,4 +1,4 @@
-"""Scenes of coloured shapes with GenEval prompts: the `tiny-shapes` testbed's data (DESIGN.md section 7).
+"""Scenes of coloured shapes with GenEval prompts: the `tiny-shapes` testbed's data (docs/design.md section 7).
 
 A scene is a plain white square canvas (64 px by default) holding 1-4 flat-coloured shapes, exactly
 the objects its GenEval prompt names: an unspecified attribute (a colour the prompt does not ask
@@ -33,7 +33,7 @@ Scene rules (what the detector and the pretraining data rely on)
 
 Prompts and the train/test split
 --------------------------------
-Prompts follow GenEval's templates, articles and plurals (`tpkit.geneval_prompts`: "a photo of a red
+Prompts follow GenEval's templates, articles and plurals (`tpkit.geneval.prompts`: "a photo of a red
 circle", "a photo of three triangles", "a photo of a circle left of a square", ...) and its rules:
 two_object / position / color_attr name two different shapes, color_attr two different colours,
 counting asks for 2-4 and excludes one more. The whole prompt space is small (4 shapes, 5 colours:
@@ -58,7 +58,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tpkit import geneval_prompts as gp
+from tpkit.errors import ConfigError
+from tpkit.geneval import prompts as gp
+from tpkit.geneval.judge import judge
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "diamond")
 COLOURS: tuple[str, ...] = ("red", "yellow", "green", "blue", "black")
@@ -283,8 +285,6 @@ def valid_layout(objects: Sequence[Obj]) -> bool:
 def _satisfied(meta: dict, objects: list[Obj]) -> bool:
     """GenEval's judge, given the true visible boxes as perfect detections, finds the prompt true
     (dense score 1), also with every box edge moved by -1, 0 or +1 px when the prompt has a position."""
-    from tpkit.geneval import judge
-
     boxes = [_box(v) for v in _visible(_coverage_masks(objects, CANVAS))]
     deltas = [0, -1, 1] if any("position" in c for c in meta["include"]) else [0]
     for da in deltas:
@@ -412,8 +412,6 @@ def _dilate(mask: np.ndarray, r: int) -> np.ndarray:
 
 def write_prompts(out, split: str, n: int | None = None, seed: int = DEFAULT_SEED):
     """`tpkit prompts shapes`: write `prompts(split, n, seed)` as GenEval metadata .jsonl; its path."""
-    from tpkit.errors import ConfigError
-
     if split not in ("train", "test"):
         raise ConfigError(f"unknown split {split!r}", "use --split train or --split test")
     try:

@@ -1,0 +1,6 @@
+"""The built-in models' names: laptop-sized, nothing downloaded (declared once, for the families, the
+configs' defaults and `tpkit doctor`, none of which may import another's module for them)."""
+
+TINY_MODEL = "tiny-sd3"  # random, built locally: proves plumbing
+SHAPES_MODEL = "tiny-shapes"  # pretrained on coloured-shape scenes, shipped in the package: shows learning
+FLUX_MODEL = "tiny-flux"  # random FLUX.1 in miniature, built locally: proves the FLUX plumbing
