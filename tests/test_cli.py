@@ -177,6 +177,33 @@ BAD_INPUTS = ["missing-prompts", "empty-prompts", "unknown-reward", "unknown-mod
               "nan-in-scores", "nan-from-reward", "bad-sampler", "window-does-not-fit"]
 
 
+# Counts and rates out of range, typed as a user would: refused before any work, nothing written.
+BAD_COUNTS = {
+    "pretrain-negative-steps": (["pretrain-shapes", "--out", "{tmp}/pre", "--flow-steps", "-5"], ["--flow-steps", "-5", ">= 1"]),
+    "pretrain-zero-steps": (["pretrain-shapes", "--out", "{tmp}/pre", "--flow-steps", "0"], ["--flow-steps", ">= 1"]),
+    "pretrain-no-minutes": (["pretrain-shapes", "--out", "{tmp}/pre", "--max-minutes", "0"], ["--max-minutes", "positive"]),
+    "pretrain-negative-weight": (["pretrain-shapes", "--out", "{tmp}/pre", "--task-weight", "counting=-1"], ["counting=-1"]),
+    "geneval-prompts-none": (["prompts", "geneval", "--split", "train", "--n", "0", "--out", "{tmp}/p.jsonl"], ["--n", ">= 1"]),
+    "geneval-prompts-seed": (["prompts", "geneval", "--seed", "-1", "--out", "{tmp}/p.jsonl"], ["--seed", ">= 0"]),
+    "shapes-prompts-none": (["prompts", "shapes", "--split", "train", "--n", "0", "--out", "{tmp}/p.jsonl"], ["--n", ">= 1"]),
+    "shapes-prompts-seed": (["prompts", "shapes", "--split", "train", "--seed", "-1", "--out", "{tmp}/p.jsonl"], ["--seed", ">= 0"]),
+    "rollout-zero-group": (["rollout", "--prompts", "{prompts}", "--group-size", "0", "--out", "{tmp}/r"], ["group_size", "> 0"]),
+    "run-zero-rounds": (["run", "{recipe}", "--rounds", "0", "--out", "{tmp}/run"], ["rounds", "> 0"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_COUNTS))
+def test_bad_counts_are_refused_before_any_work(name, tmp_path, two_prompts):
+    args, words = BAD_COUNTS[name]
+    recipe = Path(__file__).resolve().parents[1] / "pipelines" / "tiny-cpu.toml"
+    p = tpkit(*[a.format(tmp=tmp_path, prompts=two_prompts, recipe=recipe) for a in args])
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr and "fix:" in p.stderr, p.stderr
+    for w in words:
+        assert w in flat(p.stderr), (w, p.stderr)
+    assert list(tmp_path.iterdir()) == [], "nothing is written"
+
+
 @pytest.mark.parametrize("name", BAD_INPUTS)
 def test_bad_input_gives_a_short_message(name, tmp_path, tiny_run, two_prompts):
     args, env, words = _case(name, tmp_path, tiny_run, two_prompts)
@@ -284,3 +311,38 @@ def test_cpu_threads_are_shared_among_local_processes(monkeypatch):
         assert runtime.set_cpu_threads() == 1 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("reward", ["geneval", "ocr"])
+def test_a_reward_checks_its_prompts_before_any_transformer_work(reward, tmp_path, tiny_run, monkeypatch, capsys):
+    """Prompts a reward cannot score (no GenEval metadata; no quoted text for OCR) fail before the branches
+    are computed (on SD3.5 most of an hour), and before `tpkit run`'s first rollout."""
+    from conftest import cli
+    from test_run import small_recipe
+
+    from tpkit import models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the transformer was loaded before the reward looked at the prompts")
+
+    monkeypatch.setattr(models, "load", no_model)
+    opts = ["--reward-opt", "geneval.detector=shapes"] if reward == "geneval" else []
+    code = cli("score", tiny_run / "rollout", "--out", tmp_path / "score", "--reward", reward, *opts)
+    err = " ".join(capsys.readouterr().err.split()).lower()
+    assert code == 2 and ("no geneval metadata" if reward == "geneval" else "has no quoted text") in err, err
+    assert "fix:" in err and not (tmp_path / "score").exists()
+
+    recipe = small_recipe(tmp_path, _two_prompts(tmp_path), rounds=1)
+    text = recipe.read_text().replace("[rewards]\nbrightness = 1.0", f"[rewards.{reward}]\nweight = 1.0"
+                                      + ('\ndetector = "shapes"' if reward == "geneval" else ""))
+    recipe.write_text(text)
+    code = cli("run", recipe, "--out", tmp_path / "run")
+    err = " ".join(capsys.readouterr().err.split()).lower()
+    assert code == 2 and ("no geneval metadata" if reward == "geneval" else "has no quoted text") in err, err
+    assert not list((tmp_path / "run").glob("round-*"))
+
+
+def _two_prompts(folder: Path) -> Path:
+    p = folder / "two.txt"
+    p.write_text("a red cube on a wooden table\na small boat on a calm lake at dawn\n")
+    return p

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli
+from conftest import as_written, cli
 
 from tpkit import layout
 
@@ -568,10 +568,52 @@ def test_full_disk_through_the_cli_is_a_short_error(clean, tmp_path):
                        capture_output=True, text=True, timeout=180, env=env(FAULT_MODE="enospc", FAULT_MATCH="advantages.parquet"))
     short_error(p.returncode, p.stderr, p.stdout)
     text = " ".join(p.stderr.split()).lower()
-    assert "no space left" in text or "enospc" in text or "errno 28" in text, p.stderr
+    assert "no space left" in text, p.stderr
+    # which folder, how much is free there, the fix, and that a rerun continues
+    assert str(out).lower() in text and " free there" in text and "free space there" in text, p.stderr
+    assert "rerun the same command to continue" in text, p.stderr
     assert not (out / layout.ADVANTAGES_FILE).exists() and not (out / layout.MANIFEST).exists()
     assert not out.exists() or leftovers(out) == []
     assert snapshot(clean / "score") == before
+
+
+def test_read_only_out_is_a_short_error_naming_the_file(clean, tmp_path, monkeypatch, capsys):
+    """A read-only file system (EROFS, what a read-only --out gives even to root): the file, and the fix."""
+    from conftest import cli
+
+    class ReadOnly(FullDisk):
+        def fsync(self, fd):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.readlink(f"/proc/self/fd/{fd}"))
+
+    out = tmp_path / "advantages"
+    monkeypatch.setattr(layout, "os", ReadOnly(""))
+    code = cli("advantages", clean / "score", "--out", out)
+    err = capsys.readouterr().err
+    short_error(code, err)
+    text = " ".join(err.split()).lower()
+    assert "read-only file system" in text and str(out).lower() in text, err
+    assert "pass an --out folder you can write to" in text and "rerun the same command to continue" in text, err
+    assert not (out / layout.MANIFEST).exists()
+
+
+def test_full_disk_in_a_run_says_what_a_round_writes(tmp_path, two_prompts, monkeypatch, capsys):
+    """`tpkit run` on a full disk: the run folder, what is free and the doctor's estimate of a round."""
+    from conftest import cli
+    from test_run import small_recipe
+
+    from tpkit import run
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(run, "write_rounds", full)
+    code = cli("run", small_recipe(tmp_path, two_prompts, rounds=1), "--out", tmp_path / "run")
+    err = capsys.readouterr().err
+    err = err[err.index("error:"):]  # after the round's progress
+    short_error(code, err)
+    text = " ".join(err.split()).lower()
+    assert f"in {tmp_path / 'run'}".lower() in text and " free; a round writes about " in text, err
+    assert "then rerun the same command: it continues" in text, err
 
 
 # --------------------------------------------------------------------------------------------
@@ -839,6 +881,14 @@ def _truncate_at_member_boundary(case: Path) -> tuple[list, str]:
     return ["score", case / "rollout", "--out", case / "new-score"], shard.name
 
 
+def _as_written(f: Path, table) -> None:
+    """Write a table into a finished score folder as a faulty scorer would have (conftest.as_written)."""
+    import pyarrow.parquet as pq
+
+    pq.write_table(table, f)
+    as_written(f)
+
+
 def _mistyped_parquet_column(case: Path) -> tuple[list, str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -857,7 +907,7 @@ def _mistyped_parquet_column_in_folder(case: Path) -> tuple[list, str]:
     f = sorted((case / "score").glob("scores-*.parquet"))[1]
     t = pq.read_table(f)
     i = t.column_names.index("reward")
-    pq.write_table(t.set_column(i, "reward", pa.array([str(x) for x in t["reward"].to_pylist()])), f)
+    _as_written(f, t.set_column(i, "reward", pa.array([str(x) for x in t["reward"].to_pylist()])))
     return ["advantages", case / "score", "--out", case / "new-advantages"], "score"
 
 
@@ -893,7 +943,7 @@ def _unknown_trajectories(case: Path) -> tuple[list, str]:
     extra = t.filter(pc.equal(t["trajectory_id"], first))
     extra = extra.set_column(extra.column_names.index("trajectory_id"), "trajectory_id",
                              pa.array(["p00000-m999"] * extra.num_rows))
-    pq.write_table(pa.concat_tables([t, extra]), f)
+    _as_written(f, pa.concat_tables([t, extra]))
     shutil.rmtree(case / "advantages")
     advantages.run(AdvantagesConfig(scores=str(case / "score"), out=str(case / "advantages")))
     return ["train", "--rollout", case / "rollout", "--advantages", case / "advantages", "--out", case / "new-train",
@@ -911,7 +961,7 @@ def _missing_trajectories(case: Path) -> tuple[list, str]:
     f = sorted((case / "score").glob("scores-*.parquet"))[0]
     t = pq.read_table(f)
     gone = t["trajectory_id"][0].as_py()
-    pq.write_table(t.filter(pc.not_equal(t["trajectory_id"], gone)), f)
+    _as_written(f, t.filter(pc.not_equal(t["trajectory_id"], gone)))
     shutil.rmtree(case / "advantages")
     try:  # refusing already here is fine too
         advantages.run(AdvantagesConfig(scores=str(case / "score"), out=str(case / "advantages")))

@@ -262,6 +262,74 @@ def test_a_shard_swapped_after_the_rollout_is_refused(base, tmp_path, capfd):
             "shard-r000-00001.tar", "changed")
 
 
+def _scale_rewards(table_path: Path, column: str) -> None:
+    """Rewrite a tpkit table in place with one column changed (finite, same rollout id, same metadata)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(table_path)
+    i = table.schema.get_field_index(column)
+    table = table.set_column(i, column, pc.multiply(table[column], pa.scalar(-1.0, table[column].type)))
+    pq.write_table(table, table_path)
+
+
+def test_a_table_edited_after_its_stage_finished_is_refused(base, tmp_path, capfd):
+    """A finished score or advantages folder whose table was rewritten (valid, finite, same rollout id)."""
+    import shutil
+
+    shutil.copytree(base / "S", tmp_path / "S")
+    shutil.copytree(base / "A", tmp_path / "A")
+    _scale_rewards(tmp_path / "S" / "scores-r000-00000.parquet", "reward")
+    _scale_rewards(tmp_path / "A" / layout.ADVANTAGES_FILE, "advantage")
+    capfd.readouterr()
+    refused(capfd, cli("advantages", tmp_path / "S", "--out", tmp_path / "A2"), "scores-r000-00000.parquet", "changed",
+            "--overwrite")
+    refused(capfd, cli("train", "--rollout", base / "R", "--advantages", tmp_path / "A", "--out", tmp_path / "T",
+                       *TRAIN), layout.ADVANTAGES_FILE, "changed")
+    assert not (tmp_path / "A2").exists() and not (tmp_path / "T").exists()
+
+
+def test_a_local_model_retrained_in_place_is_a_new_input(base, tmp_path, capfd):
+    """A local model folder is identified by its weights, not its path: after retraining it in place, rerunning
+    a finished rollout is refused (not silently kept), and score/train of the old rollout refuse to run the
+    new weights on it. A copy of the folder elsewhere is the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tpkit import models
+
+    local = tmp_path / "my-model"
+    shutil.copytree(models.sd3.resolve("tiny-sd3"), local)
+    assert models.content_id(str(local)) is not None and models.content_id("tiny-sd3") is None
+    shutil.copytree(local, tmp_path / "moved")
+    assert models.content_id(str(tmp_path / "moved")) == models.content_id(str(local))
+    rollout = ["rollout", "--prompts", base / "two.txt", "--model", local, "--out", tmp_path / "R", *SMALL]
+    assert cli(*rollout) == 0
+    assert cli(*rollout) == 0  # finished: nothing to do
+    weights = next((local / "transformer").glob("*.safetensors"))
+    state = load_file(weights)
+    save_file({k: (v * 1.01 if v.is_floating_point() else v).contiguous() for k, v in state.items()}, weights)
+    capfd.readouterr()
+    refused(capfd, cli(*rollout), "inputs: model_sha256", "--overwrite")
+    refused(capfd, cli("score", tmp_path / "R", "--out", tmp_path / "S"), str(local), "weights changed", "--overwrite")
+    assert not (tmp_path / "S").exists()
+
+
+def test_the_family_is_part_of_a_rollouts_identity(tmp_path):
+    """Forcing --family on a model only its name can place, against a finished folder of the other family:
+    the identities differ, so the finished folder is not taken as done."""
+    from tpkit import rollout
+    from tpkit.config import RolloutConfig
+
+    (tmp_path / "p.txt").write_text("a cat\n")
+    one = dict(prompts=str(tmp_path / "p.txt"), out=str(tmp_path / "R"), model="someone/unknown-model")
+    sd3 = rollout.identity(RolloutConfig(**one, family="sd3").validate())
+    flux = rollout.identity(RolloutConfig(**one, family="flux").validate())
+    assert sd3["id"] != flux["id"] and sd3["inputs"]["family"] == "sd3"
+
+
 # --------------------------------------------------------------------------------------------
 # 3. Numbers are checked where they enter
 # --------------------------------------------------------------------------------------------
@@ -407,6 +475,30 @@ def test_run_keeps_a_finished_stage_only_if_it_holds_what_the_round_would_write(
     capfd.readouterr()
     refused(capfd, cli("run", recipe, "--out", run_dir), "round 1:", "--seed")
     assert not (r0 / "train").exists()
+
+
+def test_run_rechecks_a_finished_round(base, tmp_path, capfd):
+    """A finished round (round.json written) whose advantages were redone by hand with other options: the
+    run does not skip it as finished, it refuses it, naming the round and the option."""
+    import tomllib
+
+    import tomli_w
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pipelines" / "tiny-cpu.toml").read_text())
+    data.update(rounds=1)
+    data["rollout"].update(group_size=2, steps=6, window_size=5, window_range=[0, 5], prompts_per_shard=1,
+                           prompts=str(base / "two.txt"))
+    data["train"].update(lora_rank=4, lora_alpha=8, optimizer_steps=1)
+    recipe = tmp_path / "small.toml"
+    recipe.write_text(tomli_w.dumps(data))
+    run_dir = tmp_path / "run"
+    assert cli("run", recipe, "--out", run_dir) == 0
+    r0 = layout.round_dir(run_dir, 0)
+    assert cli("advantages", r0 / "score", "--out", r0 / "advantages", "--std", "global", "--overwrite") == 0
+    capfd.readouterr()
+    refused(capfd, cli("run", recipe, "--out", run_dir, "--rounds", "2"), "round 1:", "--std")
+    assert not layout.round_dir(run_dir, 1).exists()
 
 
 # --------------------------------------------------------------------------------------------

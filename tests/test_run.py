@@ -345,6 +345,14 @@ def test_continue_extend_redo_and_refuse(e2e, tmp_path):
     saved = tomllib.loads((run_dir / "run.toml").read_text())
     del saved["lr_half_life"], saved["train"]["ema"]
     (run_dir / "run.toml").write_text(tomli_w.dumps(saved))
+    #    Likewise a rollout whose identity does not record inputs tpkit records now (family, model content).
+    ro0 = layout.round_dir(run_dir, 0) / "rollout"
+    for name in (layout.STAGE_FILE, layout.MANIFEST):
+        body = json.loads((ro0 / name).read_text())
+        ident = body if name == layout.STAGE_FILE else body["identity"]
+        del ident["inputs"]["family"], ident["inputs"]["model_sha256"]
+        ident["id"] = "written-before"  # an older tpkit's id (rollout_id, which score refers to, stays)
+        (ro0 / name).write_text(json.dumps(body))
     before = files_under(run_dir, 0, 1)
     lines = run(load_recipe(recipe, out=str(run_dir)))
     assert files_under(run_dir, 0, 1) == before

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from conftest import as_written
 
 from tpkit import layout, models, rollout, train
 from tpkit.models import base, sd3
@@ -256,6 +257,7 @@ def _advantages_with(tiny_run: Path, folder: Path, fn) -> Path:
     table = pq.read_table(path)
     adv = fn(np.asarray(table["trajectory_id"].to_pylist()), np.asarray(table["advantage"].to_pylist()))
     pq.write_table(table.set_column(table.column_names.index("advantage"), "advantage", pa.array(adv)), path)
+    as_written(path)
     return folder
 
 
@@ -348,6 +350,7 @@ def test_missing_advantage_rows(tiny_run, tmp_path):
                                                                  table["step"].to_pylist())]
     assert sum(keep) < len(keep)
     pq.write_table(table.filter(keep), path)
+    as_written(path)
     with pytest.raises(InputError, match="step 4"):
         train.run(train_cfg(tiny_run, tmp_path / "train", advantages=str(adv)))
 

@@ -226,6 +226,7 @@ def check_scores_folder(scores: Path, files: list[Path]) -> None:
         raise InputError(f"{scores}: its Parquet files are not the ones its manifest lists"
                          + (f" (extra: {', '.join(extra[:4])})" if extra else ""),
                          "remove files you added, or rerun `tpkit score` with --overwrite")
+    layout.check_files(scores, manifest, files, "score")
 
 
 def _write(cfg: AdvantagesConfig, m: RewardMatrix, a: Advantages, rollout_id: str | None, dropped: list[str],
@@ -240,7 +241,8 @@ def _write(cfg: AdvantagesConfig, m: RewardMatrix, a: Advantages, rollout_id: st
     return layout.write_manifest(out, "advantages", to_dict(cfg), inputs={"scores": str(cfg.scores)},
                                  counts={"rows": info["rows"], "trajectories": info["trajectories"]},
                                  seconds=phases.rounded(), summary=info, identity=ident, rollout_id=rollout_id,
-                                 dropped_trajectories=dropped)
+                                 dropped_trajectories=dropped,
+                                 files_sha256=layout.digests([out / layout.ADVANTAGES_FILE]))
 
 
 def _from_score_manifest(scores: Path) -> dict:

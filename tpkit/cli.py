@@ -468,12 +468,40 @@ def pretrain_shapes(
     """Pretrain the `tiny-shapes` model from scratch (fixed seed; resumable: rerun the same command)."""
     from tpkit.shapes import model
 
+    _positive_minutes(max_minutes)
     recipe = model.Recipe()
     if flow_steps is not None:
         recipe.flow_steps = flow_steps
     if task_weight:
         recipe.task_weights = model.task_weights(task_weight, recipe.task_weights)
     model.train(out, recipe, max_minutes=max_minutes)
+
+
+@app.command("pretrain-shapes-reward")
+def pretrain_shapes_reward(
+    out: Path = typer.Option(..., "--out", help="Run folder: state.pt (resumable) and model/ (CLIPModel + processor)."),
+    max_minutes: Optional[float] = typer.Option(None, help="Stop (checkpointed) after this many minutes; rerun to continue."),
+    steps: Optional[int] = typer.Option(None, help="Optimizer steps (default: the recipe's)."),
+    workers: int = typer.Option(1, help="Processes rendering the batches ahead (0: inline); the result does not depend on it."),
+) -> None:
+    """Pretrain `tiny-shapes-pickscore`, the testbed's CLIP preference model, on train-split prompts (fixed seed;
+    resumable: rerun the same command)."""
+    from tpkit.shapes import preference
+
+    _positive_minutes(max_minutes)
+    recipe = preference.Recipe()
+    if steps is not None:
+        recipe.steps = steps
+    if workers < 0:
+        raise InputError(f"--workers {workers} must be >= 0", "e.g. --workers 1 (one core renders, one trains)")
+    preference.train(out, recipe, max_minutes=max_minutes, workers=workers)
+
+
+def _positive_minutes(max_minutes: float | None) -> None:
+    """--max-minutes 0 would stop before the first step and exit 0 having trained nothing."""
+    if max_minutes is not None and not max_minutes > 0:
+        raise InputError(f"--max-minutes {max_minutes} must be a positive number of minutes",
+                         "e.g. --max-minutes 30 (rerun the same command to continue), or leave it out")
 
 
 def _new_file(out: Path, overwrite: bool) -> None:

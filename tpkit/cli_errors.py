@@ -10,12 +10,15 @@ anywhere caps this process's CPU threads.
 from __future__ import annotations
 
 import difflib
+import errno
 import os
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 
+from tpkit import layout
 from tpkit.errors import TpkitError
 
 
@@ -78,11 +81,39 @@ def run(app, argv: list[str]) -> None:
     except (*aborted, KeyboardInterrupt):
         error("interrupted; rerun the same command to finish (finished files are kept)")
         sys.exit(130)
+    except OSError as e:
+        if debug:
+            raise
+        error(os_message(e, argv))
+        sys.exit(1)
     except Exception as e:
         if debug:
             raise
         error(f"{type(e).__name__}: {e}".splitlines()[0][:300] + "\n  (rerun with --debug for the traceback)")
         sys.exit(1)
+
+
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+RERUN = "rerun the same command to continue: what is finished is kept"
+
+
+def os_message(e: OSError, argv: list[str]) -> str:
+    """A file-system error in tpkit's voice: what happened where (the file, else the --out folder), and the
+    fix. Every stage writes each file under a temporary name and renames it into place, so a rerun
+    after the cause is fixed continues (`tpkit run` says what a round needs: run.disk_full)."""
+    out = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--out"), None)
+    where = e.filename or out or "the output folder"
+    if e.errno in layout.DISK_FULL:
+        free = layout.free_bytes(Path(where))
+        room = f" ({layout.human_bytes(free)} free there)" if free is not None else ""
+        return (f"{e.strerror or 'no space left on the device'}: {where}{room}\n"
+                f"  fix: free space there or pass --out on a bigger disk (`tpkit doctor RECIPE` estimates what a "
+                f"run writes), then {RERUN}")
+    if e.errno in NOT_WRITABLE:
+        return (f"{e.strerror or 'cannot write'}: {where}\n"
+                f"  fix: pass an --out folder you can write to (or make it writable), then {RERUN}")
+    return (f"{type(e).__name__}: {e}".splitlines()[0][:300] + f"\n  fix: check {where}, then {RERUN} "
+            "(--debug for the traceback)")
 
 
 def usage_message(e, argv: list[str]) -> str:

@@ -287,6 +287,7 @@ class EvalConfig:
         for name in ("images_per_prompt", "steps", "batch_size", "grid_prompts", "max_sequence_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be >= 1", f"set {name} to a positive value")
+        _positive("guidance", self.guidance)  # as the rollout's: the sampler the evaluation measures
         if self.lora:
             self.lora = str(Path(self.lora).expanduser().resolve())
         self.rank, self.world_size = resolve_rank(self.rank, self.world_size)
@@ -408,6 +409,11 @@ class TrainConfig:
                               "use e.g. 3e-4 (the paper's)")
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"ema_decay = {self.ema_decay} is not in [0, 1)", "use e.g. 0.9 (the release's)")
+        for name, usual in (("adam_beta1", 0.9), ("adam_beta2", 0.999)):
+            if not 0 <= getattr(self, name) < 1:  # torch.optim.AdamW refuses them only at the first step
+                raise ConfigError(f"{name} = {getattr(self, name)} is not in [0, 1)", f"use e.g. {usual} (the default)")
+        _positive("adam_epsilon", self.adam_epsilon)
+        _positive("adam_weight_decay", self.adam_weight_decay, allow_zero=True)
         if self.init_lora:
             self.init_lora = str(Path(self.init_lora).expanduser().resolve())
         return self

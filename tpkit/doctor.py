@@ -46,7 +46,6 @@ from tpkit.runtime import quiet_libraries, tpkit_home
 from tpkit.ui import out
 
 GiB = 1024**3
-MiB = 1024**2
 LOW_DISK_GIB = 20  # warn when the run folder has less free space than this
 HUB_TIMEOUT = 1.5  # seconds for the hub reachability probe
 
@@ -173,33 +172,10 @@ def _package(dist: str, spec: str) -> tuple[str | None, str | None]:
     return version, (None if _satisfies(version, spec) else f"tpkit needs {spec}")
 
 
-def _gib(n: float) -> str:
-    if n >= 1024 * GiB:
-        return f"{n / 1024 / GiB:.1f} TiB"
-    if n >= GiB:
-        return f"{n / GiB:.1f} GiB"
-    return f"{n / MiB:.1f} MiB"
-
-
-def _nearest_existing(path: Path) -> Path:
-    path = Path(os.path.abspath(path.expanduser()))
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def _free(path: Path) -> int | None:
-    """Free bytes on the disk of path (or of its nearest existing parent); None if unreadable."""
-    try:
-        return shutil.disk_usage(_nearest_existing(path)).free
-    except OSError:
-        return None
-
-
 def _writable(path: Path) -> tuple[bool, str]:
     """Can files be created at path (or, if it does not exist yet, in its nearest existing parent)?
     Tested by creating and removing a temporary file; nothing else is written."""
-    where = _nearest_existing(path)
+    where = layout.nearest_existing(path)
     if not where.is_dir():
         return False, f"{where} is not a folder"
     try:
@@ -538,8 +514,8 @@ def estimate_round_bytes(recipe, cuda: bool) -> tuple[int, int, str] | None:
     per_prompt = sz["prompt_sets"] * ((sz["clip_tokens"] + ro.max_sequence_length) * sz["text_dim"] + sz["pooled_dim"]) * dtype_bytes
     train = tr.lora_rank * sz["lora_bytes_per_rank"] * (3 + (1 if tr.ema else 0))
     total = trajectories * per_traj + prompts * per_prompt + train
-    how = (f"{trajectories} trajectories x {_gib(per_traj)} + {prompts} prompts x {_gib(per_prompt)} embeddings"
-           f" + {_gib(train)} adapter/optimizer")
+    how = (f"{trajectories} trajectories x {layout.human_bytes(per_traj)} + {prompts} prompts x {layout.human_bytes(per_prompt)} embeddings"
+           f" + {layout.human_bytes(train)} adapter/optimizer")
     return total, trajectories * (2 * k + 2) * latent + trajectories * res * res * 3, how
 
 
@@ -547,11 +523,11 @@ def _check_run_folder(ctx: _Context, run_dir: Path, recipe) -> None:
     ok, where = _writable(run_dir)
     ctx.add("run folder", ok, f"{run_dir} ({'exists' if run_dir.exists() else 'created on start'}; writable)"
             if ok else f"{run_dir}: {where}", "choose a writable --out folder")
-    base, free = _nearest_existing(run_dir), _free(run_dir)
+    base, free = layout.nearest_existing(run_dir), layout.free_bytes(run_dir)
     if free is None:
         ctx.add("disk space", False, f"cannot read the free space of {base}", None, level="warning")
         return
-    detail = f"{_gib(free)} free in {base}"
+    detail = f"{layout.human_bytes(free)} free in {base}"
     estimate = estimate_round_bytes(recipe, ctx.cuda) if recipe is not None else None
     if estimate is not None:
         per_round, shards, how = estimate
@@ -559,8 +535,8 @@ def _check_run_folder(ctx: _Context, run_dir: Path, recipe) -> None:
         need = per_round * left
         if recipe.keep_rounds:  # shards of round 0 and the last keep_rounds stay; older rounds' are deleted
             need -= shards * max(0, left - recipe.keep_rounds - 1)
-        detail += (f"; the recipe writes ≈ {_gib(per_round)} per round ({how}), "
-                   f"≈ {_gib(need)} for the {left} round(s) to go"
+        detail += (f"; the recipe writes ≈ {layout.human_bytes(per_round)} per round ({how}), "
+                   f"≈ {layout.human_bytes(need)} for the {left} round(s) to go"
                    + (f" with keep_rounds = {recipe.keep_rounds}" if recipe.keep_rounds else ""))
         if left and free < per_round:
             ctx.add("disk space", False, detail + ": not enough for one round",
@@ -761,8 +737,8 @@ def _check_homes(ctx: _Context, need_downloads: bool) -> None:
         detail += ", from $HF_HUB_CACHE"
     elif os.environ.get("HF_HOME"):
         detail += ", from $HF_HOME"
-    free = _free(cache)
-    detail += f"; {_gib(free)} free" if free is not None else ""
+    free = layout.free_bytes(cache)
+    detail += f"; {layout.human_bytes(free)} free" if free is not None else ""
     if need_downloads:
         writable, why = _writable(cache)
         if not writable:

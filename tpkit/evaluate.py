@@ -30,7 +30,7 @@ from tpkit.errors import ConfigError, InputError, RewardError
 from tpkit.geneval import detectors
 from tpkit.geneval.judge import check_meta
 from tpkit.geneval.prompts import official_like_test_set
-from tpkit.rewards.registry import load_rewards, score_images
+from tpkit.rewards.registry import check_inputs, load_rewards, score_images
 from tpkit.rollout import derive_seed
 from tpkit.runtime import png_bytes
 from tpkit.timing import Phases
@@ -129,6 +129,7 @@ def run(cfg: EvalConfig) -> dict | None:
         scorer = _geneval_scorer(cfg)
     else:
         rewards = load_rewards(cfg.rewards, cfg.reward_options)
+        check_inputs(rewards, [p.prompt for p in prompts], [p.metadata for p in prompts])  # before any image is made
         scorer = lambda p, images: score_prompt_rewards(rewards, p, images)  # noqa: E731
     ident = identity(cfg)
     with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size, ident,
@@ -140,11 +141,12 @@ def identity(cfg: EvalConfig) -> dict:
     """What an eval folder holds: these options for this model, LoRA (its contents) and prompts (their
     bytes; GenEval's regenerated set when none) or judged image folder."""
     prompts = Path(cfg.prompts) if cfg.prompts else None
-    # family: it follows from the model (as in rollout.identity), so folders from before families keep their id
+    # the family and a local model's content are inputs, as in rollout.identity
     return layout.stage_identity(f"eval-{cfg.kind}", to_dict(cfg), leave_out=("prompts", "lora", "grid_prompts", "family"),
                                  inputs={
         "prompts_sha256": layout.file_digest(prompts) if prompts and prompts.is_file() else None,
-        "lora_sha256": layout.tree_digest(cfg.lora, "--lora")})
+        "lora_sha256": layout.tree_digest(cfg.lora, "--lora"),
+        "model_sha256": models.content_id(cfg.model), "family": cfg.family})
 
 
 def _run(cfg: EvalConfig, ident: dict, prompts: list[layout.Prompt], folders: list[Path], scorer: Callable) -> dict | None:

@@ -9,6 +9,7 @@ incomplete. Nothing here unpickles or executes what it reads.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -101,6 +102,33 @@ def eval_dir(run_dir: Path, round_index: int) -> Path:
     return round_dir(run_dir, round_index) / "eval"
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # OSError errnos of a disk (or a quota) that is full
+
+
+def nearest_existing(path: Path) -> Path:
+    """path, or its nearest parent that exists (a folder a stage has not created yet lives on its disk)."""
+    path = Path(os.path.abspath(Path(path).expanduser()))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the disk of path (or of its nearest existing parent); None if unreadable."""
+    try:
+        return shutil.disk_usage(nearest_existing(path)).free
+    except OSError:
+        return None
+
+
+def human_bytes(n: float) -> str:
+    """1.5 GiB, 3.2 MiB, 1.1 TiB."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 1024**2:.1f} MiB"
+
+
 def wait_for(path: Path, what: str, poll: float = 2.0) -> None:
     """File barrier between processes (works across nodes on a shared file system): another rank
     finishes the stage and writes this manifest."""
@@ -173,8 +201,9 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def read_manifest(folder: Path, stage: str) -> dict:
-    """The manifest of a finished stage folder, checked for stage and schema version."""
+def read_manifest(folder: Path, stage: str, pruned_ok: bool = False) -> dict:
+    """The manifest of a finished stage folder, checked for stage and schema version. A rollout whose
+    shards keep_rounds deleted is refused unless pruned_ok (reading its identity needs no shards)."""
     path = Path(folder) / MANIFEST
     if not Path(folder).is_dir():
         raise InputError(f"{folder}: no such folder", f"run `tpkit {stage}` first or check the path")
@@ -189,7 +218,7 @@ def read_manifest(folder: Path, stage: str) -> dict:
         raise InputError(f"{folder}: holds a {manifest.get('stage')!r} stage, expected {stage!r}",
                          "pass the folder written by the right stage")
     check_schema_version(manifest.get("schema_version"), path)
-    if (Path(folder) / PRUNED).is_file():
+    if not pruned_ok and (Path(folder) / PRUNED).is_file():
         raise InputError(f"{folder}: its shards were deleted by `tpkit run` (keep_rounds) once its round was trained",
                          f"rerun `tpkit {stage}` into that folder with the options in its {MANIFEST}: it writes the same "
                          "shards again (or set keep_rounds = 0 in the recipe to keep every round's)")
@@ -245,6 +274,22 @@ def file_digest(path: Path) -> str:
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
+    return h.hexdigest()
+
+
+def sampled_digest(folder: Path, sample: int = 1 << 16) -> str:
+    """A cheap content fingerprint of a big folder (a local model's weights): every visible file's name,
+    size and sha256 of its first, middle and last `sample` bytes. Not mtimes (a copy keeps its identity),
+    and not every byte (tens of GB): retraining weights in place changes all three samples in practice."""
+    h = hashlib.sha256()
+    folder = Path(folder)
+    for f in sorted(p for p in folder.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(folder).parts)):
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(folder)}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            for start in sorted({0, max(0, size // 2 - sample // 2), max(0, size - sample)}):
+                fh.seek(start)
+                h.update(fh.read(sample))
     return h.hexdigest()
 
 
@@ -337,14 +382,16 @@ def _mismatch(folder: Path, held: dict, want: dict, defaults: dict | None = None
         return None
     if "options" not in held:
         return f"{folder} holds {want['stage']} output of unknown options (written by an older tpkit)"
-    defaults = defaults or {}
     added = {k for k in set(want["options"]) - set(held["options"])
-             if k in defaults and want["options"][k] == defaults[k]}
+             if defaults is not None and k in defaults and want["options"][k] == defaults[k]}
+    # Inputs the writing tpkit did not record yet (the model's content, the resolved family) are unknown,
+    # not different: accepted like added options, on finished folders only.
+    added_inputs = set(want["inputs"]) - set(held.get("inputs", {})) if defaults is not None else set()
     options = sorted(f"--{k.replace('_', '-')}" for k in (set(held["options"]) | set(want["options"])) - added
                      if held["options"].get(k) != want["options"].get(k))
-    inputs = sorted(k for k in set(held.get("inputs", {})) | set(want["inputs"])
+    inputs = sorted(k for k in (set(held.get("inputs", {})) | set(want["inputs"])) - added_inputs
                     if held.get("inputs", {}).get(k) != want["inputs"].get(k))
-    if added and not options and not inputs:
+    if (added or added_inputs) and not options and not inputs:
         return None
     diff = "; ".join([", ".join(options)] * bool(options) + [f"inputs: {', '.join(inputs)}"] * bool(inputs))
     return f"{folder} holds {want['stage']} output of other options or inputs (differs in: {diff or 'version'})"
@@ -557,8 +604,9 @@ class ShardWriter:
         return self._buf.getvalue()
 
 
-def _members(path: Path) -> Iterator[tuple[str, str, bytes]]:
-    """(key, extension, bytes) for each regular member; names are never used as paths."""
+def _members(path: Path, only: str | None = None) -> Iterator[tuple[str, str, bytes]]:
+    """(key, extension, bytes) for each regular member (`only`: of that extension; the others' bytes are
+    skipped, not read); names are never used as paths."""
     try:
         with tarfile.open(path, mode="r:") as tar:
             for m in tar:
@@ -566,6 +614,8 @@ def _members(path: Path) -> Iterator[tuple[str, str, bytes]]:
                     continue
                 name = m.name
                 key, _, ext = name.partition(".")
+                if only is not None and ext != only:
+                    continue
                 f = tar.extractfile(m)
                 yield key, ext, f.read() if f else b""
     except (tarfile.TarError, EOFError, OSError) as e:
@@ -579,6 +629,23 @@ def check_shard(path: Path, rollout_manifest: dict) -> None:
     if want and file_digest(path) != want:
         raise InputError(f"{path}: changed since `tpkit rollout` wrote it (its sha256 is not the manifest's)",
                          "rerun `tpkit rollout` with --overwrite, or put the rollout's own shard back")
+
+
+def check_files(folder: Path, manifest: dict, files: list[Path], stage: str) -> None:
+    """A finished folder's tables must still be the ones its stage wrote: the manifest records each file's
+    sha256 (`files_sha256`; folders written before it was recorded are not checked)."""
+    want = manifest.get("files_sha256") or {}
+    for f in files:
+        if f.name in want and file_digest(f) != want[f.name]:
+            raise InputError(f"{f}: changed since `tpkit {stage}` wrote it (its sha256 is not the one in "
+                             f"{Path(folder) / MANIFEST})",
+                             f"rerun `tpkit {stage}` with --overwrite, or put the stage's own file back")
+
+
+def shard_prompts(path: Path) -> list[tuple[str, dict]]:
+    """(prompt, metadata) of every prompt sample of a shard, reading nothing else (a check before the work)."""
+    return [(body["prompt"], body.get("metadata") or {}) for key, ext, data in _members(Path(path), PROMPT_JSON)
+            if ext == PROMPT_JSON for body in [_json(data, f"{path}:{key}")]]
 
 
 def read_shard(path: Path, load_tensors: bool = True) -> tuple[dict[str, PromptRecord], list[TrajectoryRecord]]:

@@ -206,11 +206,14 @@ def _check_rewritten(out: Path, sha256: dict[str, str]) -> None:
 
 def identity(cfg: RolloutConfig) -> dict:
     """What a rollout folder holds (its `id` is the rollout_id that later stages carry forward, so
-    train can refuse another rollout's advantages): the settings, the prompts' and the policy
-    LoRA's contents, not where they are, where the output goes or how many processes write it."""
+    train can refuse another rollout's advantages): the settings, the resolved family, the prompts', the
+    policy LoRA's and a local model folder's contents, not where they are, where the output goes or how
+    many processes write it. (The family is an input, not an option: folders written before it was
+    recorded are then still accepted as finished, `layout._mismatch`.)"""
     return layout.stage_identity("rollout", to_dict(cfg), leave_out=("prompts", "lora", "family"), inputs={
         "prompts_sha256": layout.file_digest(Path(cfg.prompts)) if Path(cfg.prompts).is_file() else None,
-        "lora_sha256": layout.tree_digest(cfg.lora, "--lora")})
+        "lora_sha256": layout.tree_digest(cfg.lora, "--lora"),
+        "model_sha256": models.content_id(cfg.model), "family": cfg.family})
 
 
 def _shard_sha256(shard: Path) -> str:

@@ -8,16 +8,17 @@ same command continues a stopped run; rounds.jsonl and report.png are rebuilt af
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
 from pathlib import Path
 
-from tpkit import advantages, config, evaluate, layout, models, report, rollout, score, tracking, train
+from tpkit import advantages, config, doctor, evaluate, layout, models, report, rollout, runtime, score, tracking, train
 from tpkit.config import Recipe, resolve_rank
 from tpkit.errors import ConfigError, TpkitError
 from tpkit.formulas import round_learning_rate
-from tpkit.rewards.registry import load_rewards
+from tpkit.rewards.registry import check_inputs, load_rewards
 from tpkit.ui import console
 
 def evaluate_into(recipe: Recipe, folder: Path, lora: Path | None, what: str) -> float | None:
@@ -132,39 +133,64 @@ def _timed(fn, cfg) -> tuple[dict | None, float]:
     return result, time.perf_counter() - t0
 
 
+def round_stages(recipe: Recipe, run_dir: Path, r: int) -> dict[str, tuple]:
+    """Round r's four stages: name -> (config, its expected identity as a function: what done() checks a
+    finished folder against). Configs refer to the folders; identities read the earlier stages' outputs."""
+    d = stage_dirs(run_dir, r)
+    rollout_manifest = lambda: layout.read_manifest(d["rollout"], "rollout", pruned_ok=True)  # noqa: E731 (kept rounds are pruned)
+    # The previous round's trained weights (its adapter-raw/ when EMA is on: adapter/ is then the EMA,
+    # which is evaluated, while sampling and training continue the policy itself, as in the release).
+    prev_adapter = train.policy_adapter(stage_dirs(run_dir, r - 1)["train"] / train.ADAPTER) if r > 0 else None
+    ro = dataclasses.replace(recipe.rollout, out=str(d["rollout"]), seed=recipe.seed + r,  # a fresh seed every round
+                             lora=str(prev_adapter) if prev_adapter else None)
+    sc = dataclasses.replace(recipe.score, rollout=str(d["rollout"]), out=str(d["score"]))
+    ad = dataclasses.replace(recipe.advantages, scores=str(d["score"]), out=str(d["advantages"]))
+    tr = dataclasses.replace(recipe.train, rollout=str(d["rollout"]), advantages=str(d["advantages"]),
+                             out=str(d["train"]), seed=recipe.seed + r,
+                             learning_rate=round_learning_rate(recipe.train.learning_rate, r, recipe.lr_half_life),
+                             init_lora=str(prev_adapter) if prev_adapter else None)
+    return {
+        "rollout": (ro, lambda: rollout.identity(ro.validate())),
+        "score": (sc, lambda: score.identity(sc.validate(), rollout_manifest())),
+        "advantages": (ad, lambda: advantages.identity(ad.validate(), layout.parquet_files(d["score"], "score"))),
+        "train": (tr, lambda: train.identity(tr.validate(), rollout_manifest(),
+                                             layout.parquet_files(d["advantages"], "advantages"))),
+    }
+
+
+def check_finished_round(recipe: Recipe, run_dir: Path, r: int) -> None:
+    """A finished round is kept only if every stage folder still holds what this round would write (its
+    identity, as for a half-finished round): a stage redone or edited by hand since is refused, naming it."""
+    for name, (cfg, expected) in round_stages(recipe, run_dir, r).items():
+        done(stage_dirs(run_dir, r)[name], expected, cfg)
+
+
 def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | None:
     """Run (or finish) round r with the already built rewards; returns its summary line (main process)."""
     rank, world = resolve_rank(None, None)
     d = stage_dirs(run_dir, r)
-    # The previous round's trained weights (its adapter-raw/ when EMA is on: adapter/ is then the EMA,
-    # which is evaluated, while sampling and training continue the policy itself, as in the release).
-    prev_adapter = train.policy_adapter(stage_dirs(run_dir, r - 1)["train"] / train.ADAPTER) if r > 0 else None
+    stages = round_stages(recipe, run_dir, r)
     seconds = {}
 
-    # 1. Rollout with the previous round's policy; a fresh seed every round.
-    cfg = dataclasses.replace(recipe.rollout, out=str(d["rollout"]), seed=recipe.seed + r,
-                              lora=str(prev_adapter) if prev_adapter else None)
-    if not done(d["rollout"], lambda: rollout.identity(cfg.validate()), cfg):
+    # 1. Rollout with the previous round's policy.
+    cfg, expected = stages["rollout"]
+    if not done(d["rollout"], expected, cfg):
         _, seconds["rollout"] = _timed(rollout.run, cfg)
         layout.wait_for(d["rollout"] / layout.MANIFEST, "rollout")
     # 2. Score every branch (or only R_K for flow-grpo).
-    cfg = dataclasses.replace(recipe.score, rollout=str(d["rollout"]), out=str(d["score"]))
-    if not done(d["score"], lambda: score.identity(cfg.validate(), layout.read_manifest(d["rollout"], "rollout")), cfg):
+    cfg, expected = stages["score"]
+    if not done(d["score"], expected, cfg):
         _, seconds["score"] = _timed(lambda c: score.run(c, rewards), cfg)
         layout.wait_for(d["score"] / layout.MANIFEST, "score")
     # 3. Advantages (one process; it is cheap).
-    cfg = dataclasses.replace(recipe.advantages, scores=str(d["score"]), out=str(d["advantages"]))
-    if not done(d["advantages"], lambda: advantages.identity(cfg.validate(), layout.parquet_files(d["score"], "score")), cfg):
+    cfg, expected = stages["advantages"]
+    if not done(d["advantages"], expected, cfg):
         if rank == 0:
             _, seconds["advantages"] = _timed(advantages.run, cfg)
         layout.wait_for(d["advantages"] / layout.MANIFEST, "advantages")
     # 4. Train, continuing the previous round's adapter and optimizer state, at the round's learning rate.
-    cfg = dataclasses.replace(recipe.train, rollout=str(d["rollout"]), advantages=str(d["advantages"]),
-                              out=str(d["train"]), seed=recipe.seed + r,
-                              learning_rate=round_learning_rate(recipe.train.learning_rate, r, recipe.lr_half_life),
-                              init_lora=str(prev_adapter) if prev_adapter else None)
-    if not done(d["train"], lambda: train.identity(cfg.validate(), layout.read_manifest(d["rollout"], "rollout"),
-                                                   layout.parquet_files(d["advantages"], "advantages")), cfg):
+    cfg, expected = stages["train"]
+    if not done(d["train"], expected, cfg):
         _, seconds["train"] = _timed(train.run, cfg)  # all processes: data-parallel under accelerate
         layout.wait_for(d["train"] / layout.MANIFEST, "train")
     # 5. Every eval_every rounds: held-out evaluation of this round's adapter.
@@ -291,17 +317,37 @@ def claim_run_folder(run_dir: Path, recipe: Recipe, overwrite: bool, world: int)
         check_same_recipe(run_dir, recipe)
 
 
+@contextlib.contextmanager
+def _disk_full_in_numbers(recipe: Recipe, run_dir: Path):
+    """A full disk during the run becomes an error that says how much is free and how much a round writes
+    (the doctor's estimate); a rerun continues (every file is written under a temporary name first)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in layout.DISK_FULL:
+            raise
+        free = layout.free_bytes(run_dir)
+        estimate = doctor.estimate_round_bytes(recipe, runtime.pick_device(recipe.rollout.device).type == "cuda")
+        need = f"; a round writes about {layout.human_bytes(estimate[0])} ({estimate[2]})" if estimate else ""
+        raise TpkitError(f"{e.strerror or 'no space left on the device'} in {run_dir}: "
+                         f"{layout.human_bytes(free) if free is not None else 'unknown'} free{need}",
+                         "free space there, or move the run folder to a bigger disk and pass it as --out (keep_rounds "
+                         "= N deletes old rounds' shards); then rerun the same command: it continues") from e
+
+
 def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
     # 1. The run folder and its recipe (refusing a different recipe for an existing run).
     rank, world = resolve_rank(None, None)
     tracking.check_kind(recipe.log_with)
     rewards = load_rewards(recipe.score.rewards, recipe.score.reward_options)  # once, and before any rollout
+    prompts = layout.load_prompts(Path(recipe.rollout.prompts))  # that the rewards can score them, before any work
+    check_inputs(rewards, [p.prompt for p in prompts], [p.metadata for p in prompts])
     run_dir = Path(recipe.out)
     if rank == 0:
         claim_run_folder(run_dir, recipe, overwrite, world)
     run_dir.mkdir(parents=True, exist_ok=True)
     tracker = tracking.open_tracker(recipe.log_with, run_dir, recipe.name, recipe.to_dict(), recipe.train.device)
-    with tracking.closing(tracker):
+    with tracking.closing(tracker), _disk_full_in_numbers(recipe, run_dir):
         # 2. With a held-out evaluation: the starting model's, the point the rounds' are measured from.
         if recipe.eval_every:
             if not (run_dir / layout.BASE_EVAL / layout.MANIFEST).is_file():
@@ -313,6 +359,10 @@ def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
         t0 = time.perf_counter()
         for r in range(recipe.rounds):
             if round_done(run_dir, r):
+                try:
+                    check_finished_round(recipe, run_dir, r)
+                except TpkitError as e:
+                    raise type(e)(f"round {r + 1}: {e.message}", e.fix) from e
                 continue
             elapsed = time.perf_counter() - t0
             console.rule(f"[bold]round {r + 1}/{recipe.rounds}[/] ({recipe.method}, {run_dir})"

@@ -24,7 +24,7 @@ from tpkit import formulas, layout, models
 from tpkit.config import ScoreConfig, to_dict
 from tpkit.errors import InputError, RewardError
 from tpkit.layout import PromptRecord, TrajectoryRecord
-from tpkit.rewards.registry import Reward, load_rewards, score_images
+from tpkit.rewards.registry import Reward, check_inputs, load_rewards, score_images
 from tpkit.rollout import sampling_lora
 from tpkit.timing import Phases
 from tpkit.ui import track
@@ -265,6 +265,8 @@ def run(cfg: ScoreConfig, rewards: list[Reward] | None = None) -> dict | None:
         raise InputError(f"{cfg.rollout}: {len(shards)} shards, the manifest lists {rollout['counts']['shards']}",
                          "rerun `tpkit rollout` with the same options to restore the missing shards")
     rewards = rewards or load_rewards(cfg.rewards, cfg.reward_options)
+    asked = [pm for shard in shards for pm in layout.shard_prompts(shard)]  # before any transformer work
+    check_inputs(rewards, [p for p, _ in asked], [m for _, m in asked])
     ident = identity(cfg, rollout)
     with layout.stage_lock(Path(cfg.out), cfg.rank, cfg.overwrite, cfg.world_size, ident, inputs=(cfg.rollout,)):
         return _run(cfg, rewards, rollout, shards, ident)
@@ -290,6 +292,7 @@ def _run(cfg: ScoreConfig, rewards: list[Reward], rollout: dict, shards: list[Pa
 
     # 3. Load transformer and VAE only (no text encoders), with the rollout's policy (LoRA merged).
     if todo:
+        models.check_unchanged(rollout, rollout_dir)
         rc = rollout["config"]
         model = None
         if cfg.branches == "all":
@@ -341,6 +344,7 @@ def _run(cfg: ScoreConfig, rewards: list[Reward], rollout: dict, shards: list[Pa
         counts=stats.get("counts", {}), seconds=stats.get("seconds", {}),
         per_trajectory=per_trajectory_cost(stats.get("counts", {}), rollout["counts"]),
         reward_columns=["reward"] + [r.column for r in rewards], files=[f.name for f in files],
+        files_sha256=layout.digests(files),
         reward_by_task=mean_by_task(sidecars),
         dropped_trajectories=sorted(t for s in sidecars for t in s.get("dropped_trajectories", [])),
     )

@@ -114,6 +114,7 @@ def check_advantages_belong(rollout: dict, rollout_dir: Path, advantages: Path, 
     for f in adv_files:
         meta.update(layout.parquet_meta(f))
     manifest = layout.read_manifest(advantages, "advantages") if Path(advantages).is_dir() else {}
+    layout.check_files(advantages, manifest, adv_files, "advantages")
     source = layout.rollout_of(adv_files) or manifest.get("rollout_id")
     if source is None:
         raise InputError(f"{advantages}: these advantages do not say which rollout they were computed from",
@@ -236,6 +237,7 @@ def run(cfg: TrainConfig) -> dict:
     tracking.check_kind(cfg.log_with)
     # Inputs checked before --overwrite clears anything: the advantages belong to this rollout, finite.
     adv_meta = check_advantages_belong(rollout, Path(cfg.rollout), Path(cfg.advantages), adv_files)
+    models.check_unchanged(rollout, Path(cfg.rollout))
     adv = read_advantages(Path(cfg.advantages))
     ident = identity(cfg, rollout, adv_files)
     with layout.stage_lock(Path(cfg.out), rank, cfg.overwrite, world, ident,

@@ -527,10 +527,14 @@ def run(out: Path | str, seed: int | None = None, split: str = "test", n: int | 
     the defaults give the official 553 prompts. split "train": `train_set(seed (default 0), n per tag
     (default 1000, capped))`, disjoint from the official test set.
     """
+    if split not in ("test", "train"):
+        raise ConfigError(f"unknown split {split!r}", "use --split train or --split test")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):  # 0 would write an empty file
+        raise ConfigError(f"--n {n!r} must be a whole number >= 1", "e.g. --n 100 (or leave it out for the default)")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ConfigError(f"--seed {seed!r} must be a whole number >= 0", "e.g. --seed 0 (or leave it out for the default)")
     if split == "test":
         items = generate(GENEVAL_SEED if seed is None else seed, GENEVAL_N if n is None else n)
-    elif split == "train":
-        items = train_set(DEFAULT_TRAIN_SEED if seed is None else seed, DEFAULT_TRAIN_N if n is None else n)
     else:
-        raise ConfigError(f"unknown split {split!r}", "use --split train or --split test")
+        items = train_set(DEFAULT_TRAIN_SEED if seed is None else seed, DEFAULT_TRAIN_N if n is None else n)
     return write_jsonl(out, items)

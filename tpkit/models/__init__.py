@@ -19,7 +19,8 @@ import json
 from pathlib import Path
 from types import ModuleType
 
-from tpkit.errors import ModelError
+from tpkit import layout
+from tpkit.errors import InputError, ModelError
 
 FAMILIES = {"sd3": "tpkit.models.sd3", "flux": "tpkit.models.flux"}
 
@@ -89,3 +90,22 @@ def recorded(settings: dict) -> str:
     """The family a rollout's config or trajectory metadata records (sd3 where it records none: folders
     written before tpkit had a second family)."""
     return settings.get("family") or "sd3"
+
+
+def content_id(model: str) -> str | None:
+    """What identifies a local model folder's weights (`layout.sampled_digest`), so that a model retrained
+    in place is a new input; None for built-in names (versioned by tpkit) and hub ids (by their revision)."""
+    folder = Path(model).expanduser()
+    if any(model in family(n).BUILTIN for n in FAMILIES) or not folder.is_dir():
+        return None
+    return layout.sampled_digest(folder)
+
+
+def check_unchanged(rollout_manifest: dict, rollout_dir: Path) -> None:
+    """A stage that runs the rollout's model again (score's branches, train) must find the weights the
+    rollout sampled with: a local model folder retrained since would mix two models in one round."""
+    model = rollout_manifest["config"]["model"]
+    recorded = rollout_manifest.get("identity", {}).get("inputs", {}).get("model_sha256")
+    if recorded and content_id(model) != recorded:
+        raise InputError(f"{model}: its weights changed since `tpkit rollout` sampled {rollout_dir} with them",
+                         "rerun `tpkit rollout` (and the stages after it) with --overwrite, or put the old weights back")

@@ -21,6 +21,19 @@ _PROMPTS_FIX = ("score GenEval-style jsonl prompts whose objects carry GenEval m
                 "e.g. data/geneval-style.jsonl")
 
 
+def check_inputs(prompts: list[str], metadata: list, reward: str = "geneval") -> None:
+    """Every prompt carries GenEval metadata (a tag and include clauses, well formed): checked by the score
+    stage and `tpkit run` before any image is made, and by the reward itself on every call."""
+    for prompt, meta in zip(prompts, metadata):
+        if not isinstance(meta, dict) or "tag" not in meta or "include" not in meta:
+            raise RewardError(f"reward {reward!r}: prompt {prompt!r} has no GenEval metadata (fields 'tag' and "
+                              "'include')", _PROMPTS_FIX)
+        try:
+            check_meta(meta)
+        except ValueError as e:
+            raise RewardError(f"reward {reward!r}: prompt {prompt!r} has bad GenEval metadata: {e}", _PROMPTS_FIX) from None
+
+
 def _judging_reward(reward: str, options: dict, more: dict | None = None) -> Callable[[list, list, list], list[Judgement]]:
     """The judge behind a reward: options detector, clip and batch_size checked and models loaded now
     (`more`: the reward's own further options with their defaults, which it checks itself)."""
@@ -54,15 +67,7 @@ def _judging_reward(reward: str, options: dict, more: dict | None = None) -> Cal
         if len(metadata) != len(images):
             raise RewardError(f"reward {reward!r} got {len(images)} images but {len(metadata)} metadata objects",
                               "pass one metadata object per image")
-        for i, meta in enumerate(metadata):
-            prompt = prompts[i] if i < len(prompts) else "?"
-            if not isinstance(meta, dict) or "tag" not in meta or "include" not in meta:
-                raise RewardError(f"reward {reward!r}: prompt {prompt!r} has no GenEval metadata (fields 'tag' and "
-                                  "'include')", _PROMPTS_FIX)
-            try:
-                check_meta(meta)
-            except ValueError as e:
-                raise RewardError(f"reward {reward!r}: prompt {prompt!r} has bad GenEval metadata: {e}", _PROMPTS_FIX) from None
+        check_inputs(prompts + ["?"] * (len(metadata) - len(prompts)), metadata, reward)
         # one call, as `tpkit eval geneval` makes it: the model detector batches by batch_size itself,
         # the shapes detector spreads the whole call over its workers
         return detect_and_judge(images, metadata, detector, colours, batch_size=batch_size)

@@ -78,6 +78,12 @@ def ocr_reward_value(recognised: str, target: str) -> float:
     return 1.0 - dist / len(target)
 
 
+def check_inputs(prompts: list[str], metadata: list) -> None:
+    """Every prompt quotes the text to render: checked by the score stage and `tpkit run` before any image
+    is made, and by the reward itself on every call."""
+    _targets(prompts)
+
+
 def _targets(prompts: list[str]) -> list[str]:
     out = []
     for prompt in prompts:

@@ -52,14 +52,14 @@ def brightness(options: dict) -> RewardFn:
     return score
 
 
-def _lazy(module: str, function: str) -> Callable[[dict], Any]:
-    """A function of `module` taking the reward's options, imported only when called: the rewards' modules
-    import their models' libraries when built, and `tpkit rewards` / `--help` need none of them."""
+def _lazy(module: str, function: str, *last: Any) -> Callable[..., Any]:
+    """`module.function(*args, *last)`, imported only when called: the rewards' modules import their
+    models' libraries when built, and `tpkit rewards` / `--help` need none of them."""
 
-    def build(options: dict) -> Any:
-        return getattr(importlib.import_module(module), function)(options)
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(module), function)(*args, *last)
 
-    return build
+    return call
 
 
 # name -> (factory, what it needs). A factory takes the reward's options (dict) and returns the
@@ -107,6 +107,24 @@ REQUIREMENTS: dict[str, tuple[str | None, Callable[[dict], list[tuple]]]] = {
     "geneval": ("geneval", _lazy("tpkit.rewards.geneval", "geneval_files")),
     "geneval-strict": ("geneval", _lazy("tpkit.rewards.geneval", "geneval_files")),
 }
+
+
+# What a built-in needs of its prompts (not listed: nothing): name -> (prompts, metadata) -> None, raising a
+# RewardError that names the fix. Checked before any image is made (`check_inputs`), so that prompts a
+# reward cannot score fail before the rollout or the branches, not after hours of transformer work.
+INPUTS: dict[str, Callable[[list, list], None]] = {
+    "ocr": _lazy("tpkit.rewards.ocr", "check_inputs"),
+    "geneval": _lazy("tpkit.rewards.geneval", "check_inputs"),
+    "geneval-strict": _lazy("tpkit.rewards.geneval", "check_inputs", "geneval-strict"),
+}
+
+
+def check_inputs(rewards: list, prompts: list[str], metadata: list) -> None:
+    """Fail now if a reward in use cannot score these prompts (`INPUTS`). rewards: `Reward`s or names."""
+    for r in rewards:
+        name = getattr(r, "name", r)
+        if name in INPUTS:
+            INPUTS[name](list(prompts), list(metadata))
 
 
 @dataclass

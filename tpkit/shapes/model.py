@@ -114,6 +114,31 @@ class Recipe:
     checkpoint_minutes: float = 3.0
     arch: Arch = field(default_factory=Arch)
 
+    def validate(self) -> "Recipe":
+        """Every count and rate in range, before any work (a negative --flow-steps would render the data,
+        train the VAE and save an untrained transformer); an InputError naming the option otherwise."""
+        flag = {"flow_steps": "--flow-steps"}
+        counts = ("vae_steps", "vae_batch", "vae_crop", "vae_stats_scenes", "data_scenes", "data_chunk", "flow_steps",
+                  "flow_batch")
+        for name in counts + ("warmup", "snapshot_every"):
+            value = getattr(self, name)
+            low = 1 if name in counts else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InputError(f"{flag.get(name, name)} {value!r} must be a whole number >= {low}",
+                                 f"e.g. {flag.get(name, name)} {getattr(Recipe, name)} (the recipe's)")
+        rates = {"vae_lr": (0, None), "vae_kl": (0, None), "flow_lr": (0, None), "grad_clip": (0, None),
+                 "checkpoint_minutes": (0, None), "cooldown": (0, 1), "uniform_share": (0, 1),
+                 "caption_dropout": (0, 1), "ema": (0, 1)}
+        for name, (lo, hi) in rates.items():
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and lo <= value and (hi is None or value <= hi)):
+                raise InputError(f"{name} = {value!r} must be a number in [{lo}, {hi if hi is not None else 'inf'})",
+                                 f"e.g. {name} = {getattr(Recipe, name)} (the recipe's)")
+        if self.vae_crop > RESOLUTION or self.vae_crop % 4:
+            raise InputError(f"vae_crop = {self.vae_crop} must be a multiple of 4 up to {RESOLUTION}",
+                             f"e.g. vae_crop = {Recipe.vae_crop}")
+        return self
+
 
 # --------------------------------------------------------------------------------------------
 # Model
@@ -576,7 +601,11 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
     """Run (or continue) pretraining into `out`; returns `out/pipeline` once finished, None when
     `max_minutes` of this call ran out first (rerun to continue). tune_threads: let `ThreadTuner` pick
     1 or all threads (faster on a shared CPU; floating-point results then depend on its picks)."""
-    r, out = recipe or Recipe(), Path(out)
+    r, out = (recipe or Recipe()).validate(), Path(out)
+    if max_minutes is not None and not (isinstance(max_minutes, (int, float)) and math.isfinite(max_minutes)
+                                        and max_minutes >= 0):  # 0: claim the folder and stop
+        raise InputError(f"--max-minutes {max_minutes!r} must be a number of minutes >= 0",
+                         "e.g. --max-minutes 30 (rerun the same command to continue), or leave it out")
     # 1. The folder: new, empty, or a run of this recipe to continue.
     _claim(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -239,7 +239,7 @@ def scene_for(meta: dict, rng: np.random.Generator, size: int = CANVAS) -> Scene
     specs = _object_specs(meta, rng)
     for _ in range(_MAX_TRIES):
         objects = _place(specs, rng)
-        if objects is not None and _satisfied(meta, objects):
+        if objects is not None and satisfied(meta, objects):
             return Scene(objects=objects, prompt=meta["prompt"], metadata=_copy(meta), size=size)
     raise ValueError(f"could not place a scene for {meta.get('prompt')!r}")
 
@@ -282,10 +282,16 @@ def valid_layout(objects: Sequence[Obj]) -> bool:
     return True
 
 
-def _satisfied(meta: dict, objects: list[Obj]) -> bool:
+def visible_boxes(objects: Sequence[Obj]) -> list[list[float]]:
+    """Each object's true visible box [x0, y0, x1, y1] in canvas pixels (what a perfect detector sees)."""
+    return [_box(v) for v in _visible(_coverage_masks(objects, CANVAS))]
+
+
+def satisfied(meta: dict, objects: list[Obj], boxes: list[list[float]] | None = None) -> bool:
     """GenEval's judge, given the true visible boxes as perfect detections, finds the prompt true
-    (dense score 1), also with every box edge moved by -1, 0 or +1 px when the prompt has a position."""
-    boxes = [_box(v) for v in _visible(_coverage_masks(objects, CANVAS))]
+    (dense score 1), also with every box edge moved by -1, 0 or +1 px when the prompt has a position.
+    boxes: `visible_boxes(objects)` when already known (judging many prompts on one scene)."""
+    boxes = visible_boxes(objects) if boxes is None else boxes
     deltas = [0, -1, 1] if any("position" in c for c in meta["include"]) else [0]
     for da in deltas:
         for db in deltas:
@@ -414,8 +420,8 @@ def write_prompts(out, split: str, n: int | None = None, seed: int = DEFAULT_SEE
     """`tpkit prompts shapes`: write `prompts(split, n, seed)` as GenEval metadata .jsonl; its path."""
     if split not in ("train", "test"):
         raise ConfigError(f"unknown split {split!r}", "use --split train or --split test")
-    try:
-        items = prompts(split, n, seed)
-    except ValueError as e:
-        raise ConfigError(str(e), "pass --n 1 or more (prompts per task)") from None
-    return gp.write_jsonl(out, items)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ConfigError(f"--n {n!r} must be a whole number >= 1", "pass --n 1 or more (prompts per task)")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"--seed {seed!r} must be a whole number >= 0", "e.g. --seed 0 (the shipped files' order)")
+    return gp.write_jsonl(out, prompts(split, n, seed))
