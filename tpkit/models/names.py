@@ -4,3 +4,4 @@ configs' defaults and `tpkit doctor`, none of which may import another's module 
 TINY_MODEL = "tiny-sd3"  # random, built locally: proves plumbing
 SHAPES_MODEL = "tiny-shapes"  # pretrained on coloured-shape scenes, shipped in the package: shows learning
 FLUX_MODEL = "tiny-flux"  # random FLUX.1 in miniature, built locally: proves the FLUX plumbing
+SHAPES_PICKSCORE = "tiny-shapes-pickscore"  # a CLIP preference model of the same scenes, shipped: the `pickscore` reward's testbed weights

@@ -11,6 +11,8 @@ that scores in batches under `torch.no_grad()`.
   `--reward-opt pickscore.scale=1/26` (or 0.0384615) to reproduce their reward values.
 - clipscore: CLIP-S of Hessel et al. 2021, `weight * max(cos(image, prompt), 0)` with
   CLIP ViT-L/14 and `weight = 2.5`.
+- `tiny-shapes-pickscore`, a built-in name for `model` and `processor` (pickscore, clipscore): the
+  tiny-shapes testbed's CLIP preference model, shipped in the package (`tpkit.shapes.preference`).
 - aesthetic: LAION aesthetic predictor v2 (christophschuhmann/improved-aesthetic-predictor,
   `sac+logos+ava1-l14-linearMSE.pth`): an MLP head (no activations) on the L2-normalised CLIP
   ViT-L/14 image embedding; about 1-10, higher is prettier. Prompts are ignored.
@@ -27,6 +29,7 @@ from torch import nn
 
 from tpkit import hub
 from tpkit.errors import ModelError, RewardError
+from tpkit.models.names import SHAPES_PICKSCORE
 from tpkit.rewards.options import RewardFn, take_options
 from tpkit.runtime import pick_device
 
@@ -39,6 +42,13 @@ CLIP_L14 = "openai/clip-vit-large-patch14"
 # The published head is in christophschuhmann/improved-aesthetic-predictor (GitHub); this hub
 # repo mirrors the same file and is what most hub-based users (and caches) fetch it from.
 AESTHETIC_HEAD = "camenduru/improved-aesthetic-predictor:sac+logos+ava1-l14-linearMSE.pth"
+# Built-in CLIP models: name -> folder inside the package (CLIPModel and its processor, save_pretrained).
+BUILTIN_MODELS = {SHAPES_PICKSCORE: Path(__file__).resolve().parent / SHAPES_PICKSCORE}
+
+
+def resolve(model: str) -> str:
+    """A built-in model name -> its folder; anything else (a hub id, a local folder) as given."""
+    return str(BUILTIN_MODELS.get(model, model))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,6 +103,7 @@ class ClipEmbedder:
         self.device = pick_device("auto")
         self.dtype = _dtype(reward, dtype, self.device)
         self.batch_size = batch_size
+        model, processor = resolve(model), resolve(processor) if processor is not None else None
         proc_option = "processor" if processor is not None else "model"
         # The processor first: it is small, so a missing one fails before seconds of weight loading.
         self.processor = hub.load(CLIPProcessor.from_pretrained, processor or model,
@@ -173,8 +184,8 @@ def pickscore(options: dict) -> RewardFn:
 
 def pickscore_files(options: dict) -> list[tuple]:
     """What pickscore loads (see registry.REQUIREMENTS): CLIP weights, and the processor from another repo."""
-    return [("model", str(options.get("model", PICKSCORE_MODEL)), "clip-model", "model"),
-            ("processor", str(options.get("processor", PICKSCORE_PROCESSOR)), "processor", "processor")]
+    return [("model", resolve(str(options.get("model", PICKSCORE_MODEL))), "clip-model", "model"),
+            ("processor", resolve(str(options.get("processor", PICKSCORE_PROCESSOR))), "processor", "processor")]
 
 
 def clipscore(options: dict) -> RewardFn:
@@ -195,7 +206,7 @@ def clipscore(options: dict) -> RewardFn:
 
 def clipscore_files(options: dict) -> list[tuple]:
     """What clipscore loads (see registry.REQUIREMENTS): a CLIP model with its processor."""
-    return [("model", str(options.get("model", CLIP_L14)), "clip", "model")]
+    return [("model", resolve(str(options.get("model", CLIP_L14))), "clip", "model")]
 
 
 # ---------------------------------------------------------------------------------------------

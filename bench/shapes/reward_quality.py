@@ -1,0 +1,136 @@
+"""How good is `tiny-shapes-pickscore`, the testbed's learned preference model, on prompts it never read?
+
+    python bench/shapes/reward_quality.py [--model tiny-shapes-pickscore] [--per-task 200] [--samples 4]
+                                          [--out bench/shapes/reward]
+
+Everything goes through the `pickscore` reward exactly as `tpkit score --reward pickscore` builds it
+(`logit_scale.exp() * cos`), on **test-split** prompts only (the model trained on train-split ones):
+
+1. Rendered scenes (`tpkit.shapes.scenes`, seed 1234), crisp and blurred (Gaussian sigma 1 px): per
+   GenEval task, how often the matching caption scores above a caption with one detail wrong (a
+   class, a colour, the count, the relation, the colour binding), checked false for the scene by
+   GenEval's judge on its true boxes.
+2. `tiny-shapes` samples (the eval sampler: ODE, 40 steps, CFG; `--samples` per test prompt):
+   the shapes detector says what is drawn. Pairwise accuracy on the samples it judges correct
+   (the own caption against a one-detail-wrong caption its detections make false), and the
+   Spearman correlation of the reward with GenEval's dense score, over all samples and within each
+   prompt (mean over prompts whose samples differ).
+
+Writes OUT/results.json and OUT/RESULTS.md (tables) and prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from tpkit.geneval import detectors
+from tpkit.geneval.judge import judge
+from tpkit.models.names import SHAPES_MODEL, SHAPES_PICKSCORE
+from tpkit.rewards.registry import load_rewards, score_images
+from tpkit.shapes import model as shapes_model
+from tpkit.shapes import preference
+from tpkit.shapes import scenes as shapes
+
+
+def reward(model: str):
+    rewards = load_rewards({"pickscore": 1.0}, {"pickscore": {"model": model, "processor": model}})
+    return lambda images, prompts: score_images(rewards, images, prompts, [{}] * len(images))["reward"]
+
+
+def spearman(a, b) -> float:
+    ra, rb = (np.argsort(np.argsort(x, kind="stable"), kind="stable").astype(float) for x in (a, b))
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def on_samples(score, per_prompt: int, seed: int = 0) -> dict:
+    metas = [m for tag in shapes.TAGS for m in shapes.split_prompts(tag, "test")]
+    m = shapes_model.models.load(SHAPES_MODEL, device="cpu")
+    detector, _ = detectors.load_models("shapes")
+    rng = np.random.default_rng(seed)
+    rows = []
+    for b in range(0, len(metas), 8):
+        batch = [meta for meta in metas[b: b + 8] for _ in range(per_prompt)]
+        emb = m.encode([meta["prompt"] for meta in batch], shapes_model.TEXT_LENGTH)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + b)
+        x = torch.randn(len(batch), *m.latent_shape(shapes_model.RESOLUTION), generator=g)
+        images = [Image.fromarray(a) for a in shapes_model._ode_images(m, emb, x, 40, shapes_model.GUIDANCE)]
+        dets = detector(images)
+        own = score(images, [meta["prompt"] for meta in batch])
+        for meta, im, d, s in zip(batch, images, dets, own):
+            j = judge(meta, d)
+            wrong = [w for w in preference.one_detail_wrong(meta) if not judge(w, d).correct]
+            w = wrong[int(rng.integers(len(wrong)))] if wrong else None
+            rows.append({"tag": meta["tag"], "prompt": meta["prompt"], "correct": j.correct, "dense": j.score,
+                         "reward": s, "image": im, "wrong": w["prompt"] if w else None})
+    pairs = [r for r in rows if r["correct"] and r["wrong"]]
+    wrong_scores = score([r["image"] for r in pairs], [r["wrong"] for r in pairs])
+    acc: dict[str, list] = {}
+    for r, ws in zip(pairs, wrong_scores):
+        acc.setdefault(r["tag"], []).append(r["reward"] > ws)
+    within = []
+    for p in {r["prompt"] for r in rows}:
+        rs = [r for r in rows if r["prompt"] == p]
+        rho = spearman([r["reward"] for r in rs], [r["dense"] for r in rs])
+        if np.isfinite(rho):
+            within.append(rho)
+    per_task = {t: float(np.mean(v)) for t, v in acc.items()}
+    return {"samples": len(rows), "judged_correct": len(pairs),
+            "pairwise": {"overall": float(np.mean(list(per_task.values()))), **per_task},
+            "pairwise_n": {t: len(v) for t, v in acc.items()},
+            "spearman_dense": spearman([r["reward"] for r in rows], [r["dense"] for r in rows]),
+            "spearman_dense_within_prompt": float(np.mean(within)) if within else None,
+            "prompts_with_spread": len(within)}
+
+
+def table(title: str, accs: dict[str, dict]) -> str:
+    cols = ["overall", *shapes.TAGS]
+    lines = [f"**{title}**", "", "| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, a in accs.items():
+        lines.append(f"| {name} | " + " | ".join(f"{a[c]:.3f}" if c in a else "-" for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=SHAPES_PICKSCORE, help="CLIP preference model (built-in name or folder).")
+    ap.add_argument("--per-task", type=int, default=200, help="Rendered scenes per GenEval task.")
+    ap.add_argument("--samples", type=int, default=4, help="tiny-shapes samples per test prompt (0: skip).")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "reward")
+    a = ap.parse_args()
+    t0 = time.time()
+    score = reward(a.model)
+    rendered = {"crisp": preference.pairwise_accuracy(score, "test", a.per_task),
+                "blurred (sigma 1 px)": preference.pairwise_accuracy(score, "test", a.per_task, blur=1.0),
+                "train prompts, crisp": preference.pairwise_accuracy(score, "train", a.per_task)}
+    result = {"model": a.model, "per_task": a.per_task, "rendered": rendered}
+    if a.samples:
+        result["tiny_shapes_samples"] = on_samples(score, a.samples)
+    result["seconds"] = round(time.time() - t0, 1)
+    md = [f"# tiny-shapes-pickscore: quality on held-out prompts\n",
+          f"`python bench/shapes/reward_quality.py --model {a.model} --per-task {a.per_task} --samples {a.samples}` "
+          f"({result['seconds']} s).\n",
+          table("Pairwise accuracy on rendered scenes (own caption > one-detail-wrong caption)", rendered)]
+    if a.samples:
+        s = result["tiny_shapes_samples"]
+        md += ["", table(f"Pairwise accuracy on tiny-shapes samples the detector judges correct "
+                         f"({s['judged_correct']} of {s['samples']})", {"samples": s["pairwise"]}), "",
+               f"Spearman correlation with GenEval's dense score on all {s['samples']} samples: "
+               f"**{s['spearman_dense']:.3f}**; within a prompt (mean over {s['prompts_with_spread']} prompts "
+               f"whose samples differ): {s['spearman_dense_within_prompt']:.3f}."]
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    (a.out / "RESULTS.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

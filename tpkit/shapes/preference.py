@@ -1,0 +1,483 @@
+"""`tiny-shapes-pickscore`: a learned, continuous preference model for the tiny-shapes testbed.
+
+An ordinary `transformers` `CLIPModel` with its `CLIPProcessor`, saved with `save_pretrained` inside
+the package (`tpkit/rewards/tiny-shapes-pickscore/`) and scored by the `pickscore` reward exactly as
+PickScore_v1 is (`logit_scale.exp() * cos(image, prompt)`): `--reward pickscore --reward-opt
+pickscore.model=tiny-shapes-pickscore --reward-opt pickscore.processor=tiny-shapes-pickscore`. So
+the testbed's reward is continuous (no ties between two images of one prompt, unlike GenEval's
+dense score), learned, and fallible in the ways real preference models are.
+
+Model: ViT (patch 8 on 64 px -> 64 patches, width 128, 4 layers) and a text transformer (width 128,
+3 layers) over the word-level tokenizer of tiny-shapes itself (every caption word one token), both
+projected to 128 dimensions; about 1.5 M parameters, 6 MB in float32.
+
+Training (`tpkit pretrain-shapes-reward --out DIR`; fixed seed; resumable: rerun the same command):
+**train-split prompts only** (`tpkit.shapes.scenes.is_test`): no test prompt is ever a caption,
+positive or negative, so the test split measures captions the model never read. Each batch is
+pairs of scenes: a scene for a train prompt P, and a scene for a prompt N that changes one detail
+of P (a class, a colour, a count, the relation, which colour goes with which shape), each scene
+checked by GenEval's own judge on its true boxes to satisfy its prompt and not the other. The loss
+is cross-entropy both ways: each image against its caption, the pair's other caption and more
+one-detail-wrong and random captions (every one checked false for that image: `negatives`); each
+caption against the two images of its pair (the one it describes wins). Images are augmented
+(colour jitter, Gaussian blur of up to 2 px, noise) so that blurry samples of the generator are
+judged, not only crisp renders.
+
+Quality is measured on **test-split** prompts (`pairwise_accuracy`, `bench/shapes/reward/`): the
+matching caption against a one-detail-wrong caption, per GenEval task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tpkit.errors import InputError
+from tpkit.geneval import prompts as gp
+from tpkit.models.names import SHAPES_PICKSCORE
+from tpkit.rewards.clip import BUILTIN_MODELS
+from tpkit.shapes import scenes as shapes
+from tpkit.shapes.model import caption_words, word_tokenizer
+from tpkit.ui import console
+
+NAME = SHAPES_PICKSCORE
+SIZE = shapes.CANVAS  # 64 px: the tiny-shapes resolution
+TEXT_POSITIONS = 77  # CLIP's context length: the reward truncates to it, so any prompt fits
+OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+MEAN, STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)  # pixels to [-1, 1]
+
+
+def weights_dir() -> Path:
+    """The committed model folder inside the installed package."""
+    return BUILTIN_MODELS[NAME]
+
+
+@dataclass
+class Arch:
+    width: int = 128
+    vision_layers: int = 4
+    text_layers: int = 3
+    heads: int = 4
+    patch: int = 8
+    projection: int = 128
+
+
+@dataclass
+class Recipe:
+    seed: int = 0
+    steps: int = 6000
+    pairs: int = 32  # scene pairs per batch (64 images)
+    negatives: int = 8  # extra captions per image, each checked false for it (one-detail-wrong first)
+    lr: float = 1e-3
+    warmup: int = 200
+    weight_decay: float = 0.05
+    blur: float = 2.0  # Gaussian blur sigma up to this many px (on 70 % of the images)
+    noise: float = 0.06  # pixel noise std up to this (in [0, 1] units)
+    jitter: float = 0.12  # per-channel gain 1 +- jitter, offset +- jitter / 2
+    checkpoint_minutes: float = 2.0
+    arch: Arch = field(default_factory=Arch)
+
+    def validate(self) -> "Recipe":
+        """Every count and rate in range before any work; an InputError naming the option otherwise."""
+        for name in ("steps", "pairs", "negatives", "warmup"):
+            value = getattr(self, name)
+            low = 0 if name == "warmup" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                flag = "--" + name.replace("_", "-")
+                raise InputError(f"{flag} {value!r} must be a whole number >= {low}", f"e.g. {flag} {getattr(Recipe, name)}")
+        for name in ("lr", "weight_decay", "blur", "noise", "jitter", "checkpoint_minutes"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise InputError(f"{name} = {value!r} must be a finite number >= 0", f"e.g. {getattr(Recipe, name)}")
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+def build(arch: Arch | None = None, seed: int = 0):
+    """A randomly initialised (CLIPModel, CLIPProcessor), deterministic from `seed`."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    arch = arch or Arch()
+    tok = word_tokenizer(caption_words() + ["photo"], max_length=TEXT_POSITIONS)
+    text = dict(vocab_size=len(tok), hidden_size=arch.width, intermediate_size=4 * arch.width,
+                num_hidden_layers=arch.text_layers, num_attention_heads=arch.heads,
+                max_position_embeddings=TEXT_POSITIONS, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
+    vision = dict(hidden_size=arch.width, intermediate_size=4 * arch.width, num_hidden_layers=arch.vision_layers,
+                  num_attention_heads=arch.heads, image_size=SIZE, patch_size=arch.patch)
+    torch.manual_seed(seed)
+    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=arch.projection))
+    images = CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE},
+                                image_mean=list(MEAN), image_std=list(STD), do_convert_rgb=True)
+    return model, CLIPProcessor(image_processor=images, tokenizer=tok)
+
+
+# --------------------------------------------------------------------------------------------
+# Captions: one detail wrong
+# --------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def _prompts(tag: str, split: str | None) -> tuple[dict, ...]:
+    """`scenes.split_prompts`, computed once (read only here: the dicts are shared)."""
+    return tuple(shapes.split_prompts(tag, split))
+
+
+@lru_cache(maxsize=None)
+def _test_prompts() -> frozenset[str]:
+    return frozenset(m["prompt"] for tag in shapes.TAGS for m in _prompts(tag, "test"))
+
+
+def _in_split(meta: dict, split: str | None) -> bool:
+    return split is None or (meta["prompt"] in _test_prompts()) == (split == "test")
+
+
+def _parts(meta: dict) -> dict:
+    """The arguments of `scenes.metadata` that made a prompt (a, b, colour, colour_b, count, relation)."""
+    inc, tag = meta["include"], meta["tag"]
+    if tag == "position":
+        return {"a": inc[1]["class"], "b": inc[0]["class"], "relation": inc[1]["position"][0]}
+    out = {"a": inc[0]["class"], "colour": inc[0].get("color"), "count": int(inc[0]["count"])}
+    if len(inc) > 1:
+        out.update(b=inc[1]["class"], colour_b=inc[1].get("color"))
+    return out
+
+
+def one_detail_wrong(meta: dict) -> list[dict]:
+    """Every prompt of the same task that changes exactly one detail of `meta`: one object's class, one
+    colour, the count, the relation (its opposite, or the other axis), or which colour goes with which
+    shape. Not checked against a scene (a changed relation may still hold): see `negatives`."""
+    tag, p = meta["tag"], _parts(meta)
+    a, b = p["a"], p.get("b")
+    others = lambda *used: [s for s in shapes.SHAPES if s not in used]  # noqa: E731
+    out = []
+    if tag == "single_object":
+        out += [shapes.metadata(tag, c) for c in others(a)]
+    elif tag == "two_object":
+        out += [shapes.metadata(tag, c, b) for c in others(a, b)] + [shapes.metadata(tag, a, c) for c in others(a, b)]
+    elif tag == "counting":
+        out += [shapes.metadata(tag, a, count=n) for n in range(2, shapes.MAX_COUNT + 1) if n != p["count"]]
+        out += [shapes.metadata(tag, c, count=p["count"]) for c in others(a)]
+    elif tag == "colors":
+        out += [shapes.metadata(tag, a, colour=c) for c in shapes.COLOURS if c != p["colour"]]
+        out += [shapes.metadata(tag, c, colour=p["colour"]) for c in others(a)]
+    elif tag == "position":
+        out += [shapes.metadata(tag, a, b, relation=r) for r in gp.RELATIONS if r != p["relation"]]
+        out += [shapes.metadata(tag, c, b, relation=p["relation"]) for c in others(a, b)]
+        out += [shapes.metadata(tag, a, c, relation=p["relation"]) for c in others(a, b)]
+    elif tag == "color_attr":
+        ca, cb = p["colour"], p["colour_b"]
+        out.append(shapes.metadata(tag, a, b, colour=cb, colour_b=ca))  # the binding swapped
+        out += [shapes.metadata(tag, a, b, colour=c, colour_b=cb) for c in shapes.COLOURS if c not in (ca, cb)]
+        out += [shapes.metadata(tag, a, b, colour=ca, colour_b=c) for c in shapes.COLOURS if c not in (ca, cb)]
+        out += [shapes.metadata(tag, c, b, colour=ca, colour_b=cb) for c in others(a, b)]
+    return out
+
+
+def negatives(meta: dict, scene: shapes.Scene, rng: np.random.Generator, n: int, split: str | None = "train",
+              first: list[dict] = ()) -> list[str]:
+    """Up to n captions false for `scene` (GenEval's judge on its true boxes says so): `first`, then
+    one-detail-wrong prompts of `meta` in random order, then random prompts of any task; of `split`
+    only (None: both)."""
+    boxes = shapes.visible_boxes(scene.objects)
+    wrong = one_detail_wrong(meta)
+    pool = list(first) + [wrong[i] for i in rng.permutation(len(wrong))]
+    for _ in range(20 * n):  # then random prompts
+        tag = shapes.TAGS[int(rng.integers(len(shapes.TAGS)))]
+        cands = _prompts(tag, split)
+        pool.append(cands[int(rng.integers(len(cands)))])
+    out: list[str] = []
+    for m in pool:
+        if len(out) >= n:
+            break
+        if (m["prompt"] not in out and m["prompt"] != meta["prompt"] and _in_split(m, split)
+                and not shapes.satisfied(m, scene.objects, boxes)):
+            out.append(m["prompt"])
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    pixels: torch.Tensor  # [2P, 3, SIZE, SIZE] in [-1, 1]; images 2i and 2i + 1 are a pair
+    captions: list[str]  # [2P]: each image's own prompt
+    candidates: list[list[str]]  # [2P][1 + negatives]: the own prompt first, then captions false for the image
+
+
+def _pair(rng: np.random.Generator, split: str, n_neg: int) -> tuple[list, list[str], list[list[str]]]:
+    """A train prompt P and a one-detail-wrong prompt N of the split, a scene for each that satisfies its
+    own prompt and not the other's."""
+    while True:
+        tag = shapes.TAGS[int(rng.integers(len(shapes.TAGS)))]
+        cands = _prompts(tag, split)
+        p = cands[int(rng.integers(len(cands)))]
+        wrong = [m for m in one_detail_wrong(p) if _in_split(m, split)]
+        if not wrong:
+            continue
+        q = wrong[int(rng.integers(len(wrong)))]
+        sp, sq = shapes.scene_for(p, rng), shapes.scene_for(q, rng)
+        if shapes.satisfied(q, sp.objects) or shapes.satisfied(p, sq.objects):
+            continue
+        cand_p = [p["prompt"]] + negatives(p, sp, rng, n_neg, split, first=[q])
+        cand_q = [q["prompt"]] + negatives(q, sq, rng, n_neg, split, first=[p])
+        return [sp, sq], [p["prompt"], q["prompt"]], [cand_p, cand_q]
+
+
+def augment(images: np.ndarray, rng: np.random.Generator, r: Recipe) -> np.ndarray:
+    """uint8 [B, H, W, 3] -> float [B, H, W, 3] in [0, 1]: per-channel gain and offset, Gaussian blur,
+    pixel noise (renders made to look like the generator's soft, slightly off-colour samples)."""
+    out = []
+    for im in images:
+        a = im.astype(np.float64)
+        if r.blur > 0 and rng.random() < 0.7:
+            a = shapes.blur(im, float(rng.uniform(0.3, r.blur)))
+        a = a / 255.0
+        a = a * (1 + rng.uniform(-r.jitter, r.jitter, 3)) + rng.uniform(-r.jitter / 2, r.jitter / 2, 3)
+        a = a + rng.normal(0, rng.uniform(0, r.noise), a.shape)
+        out.append(np.clip(a, 0, 1))
+    return np.stack(out)
+
+
+def batch_for(r: Recipe, step: int) -> Batch:
+    """Step `step`'s batch: its own random stream (seed, step), so that a resumed run, or one whose batches
+    another process made, sees the very same data."""
+    return make_batch(np.random.default_rng([r.seed, step]), r)
+
+
+class Prefetch:
+    """Batches made `ahead` steps in advance by one worker process (the other core trains), or inline."""
+
+    def __init__(self, r: Recipe, start: int, workers: int, ahead: int = 3):
+        import concurrent.futures as cf
+        import multiprocessing
+
+        self.r, self.next, self.ahead, self.queue = r, start, ahead, {}
+        self.pool = (cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+                     if workers > 0 else None)
+
+    def get(self, step: int) -> Batch:
+        if self.pool is None:
+            return batch_for(self.r, step)
+        while self.next < min(step + self.ahead, self.r.steps) or self.next <= step:
+            self.queue[self.next] = self.pool.submit(batch_for, self.r, self.next)
+            self.next += 1
+        return self.queue.pop(step).result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            for f in self.queue.values():
+                f.cancel()
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def make_batch(rng: np.random.Generator, r: Recipe, split: str = "train") -> Batch:
+    scenes_, captions, candidates = [], [], []
+    for _ in range(r.pairs):
+        s, c, k = _pair(rng, split, r.negatives)
+        scenes_ += s
+        captions += c
+        candidates += k
+    pixels = augment(np.stack([shapes.render(s, SIZE) for s in scenes_]), rng, r)
+    x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float()
+    return Batch((x - 0.5) / 0.5, captions, candidates)
+
+
+# --------------------------------------------------------------------------------------------
+# Loss
+# --------------------------------------------------------------------------------------------
+
+
+def embed(model, tok, pixels: torch.Tensor, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2-normalised image [B, D] and text [T, D] embeddings (the reward's cosines)."""
+    t = tok(texts, padding=True, return_tensors="pt")
+    img = model.get_image_features(pixel_values=pixels)
+    txt = model.get_text_features(input_ids=t["input_ids"], attention_mask=t["attention_mask"])
+    img = img if isinstance(img, torch.Tensor) else img.pooler_output
+    txt = txt if isinstance(txt, torch.Tensor) else txt.pooler_output
+    return torch.nn.functional.normalize(img, dim=-1), torch.nn.functional.normalize(txt, dim=-1)
+
+
+def loss(model, tok, batch: Batch) -> tuple[torch.Tensor, dict]:
+    """Cross-entropy of each image over its candidate captions (its own first) plus of each caption over
+    its pair's two images; logits = exp(logit_scale) * cos, as the reward scores."""
+    texts = sorted({c for cs in batch.candidates for c in cs})
+    index = {t: i for i, t in enumerate(texts)}
+    img, txt = embed(model, tok, batch.pixels, texts)
+    scale = model.logit_scale.exp().clamp(max=100)
+    width = max(len(c) for c in batch.candidates)
+    ids = torch.tensor([[index[c] for c in cs] + [index[cs[0]]] * (width - len(cs)) for cs in batch.candidates])
+    mask = torch.tensor([[True] * len(cs) + [False] * (width - len(cs)) for cs in batch.candidates])
+    logits = scale * (img[:, None, :] * txt[ids]).sum(-1)  # [B, width]
+    logits = logits.masked_fill(~mask, float("-inf"))
+    zero = torch.zeros(len(img), dtype=torch.long)
+    l_img = torch.nn.functional.cross_entropy(logits, zero)
+    # caption i over the images of its pair: i's own image (at i) against its partner (at i ^ 1)
+    own = torch.arange(len(img))
+    other = own ^ 1
+    cap = torch.tensor([index[c] for c in batch.captions])
+    pair_logits = scale * torch.stack([(img[own] * txt[cap]).sum(-1), (img[other] * txt[cap]).sum(-1)], 1)
+    l_txt = torch.nn.functional.cross_entropy(pair_logits, zero)
+    acc = (logits.argmax(1) == 0).float().mean().item()
+    total = l_img + l_txt
+    return total, {"loss": total.item(), "caption_acc": acc, "scale": scale.item()}
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+
+
+def lr_at(r: Recipe, step: int) -> float:
+    """Linear warm-up, then cosine to 0 at `steps`."""
+    if step < r.warmup:
+        return r.lr * (step + 1) / r.warmup
+    return r.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - r.warmup) / max(1, r.steps - r.warmup))))
+
+
+def _save_model(model, processor, folder: Path) -> None:
+    import shutil
+    import tempfile
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = None, progress: bool = True,
+          workers: int = 1) -> Path:
+    """Train the preference model into `out/model/` (resumable: `out/state.pt` holds the model, the optimizer,
+    the random state and the step; rerun the same command to continue). Returns the model folder.
+    workers: processes making the batches ahead (0: inline); the batches do not depend on it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    r = (recipe or Recipe()).validate()
+    if max_minutes is not None and not (math.isfinite(max_minutes) and max_minutes >= 0):
+        raise InputError(f"--max-minutes {max_minutes} must be a number of minutes >= 0", "e.g. --max-minutes 30")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file, not a folder", "pass a folder for --out")
+    out.mkdir(parents=True, exist_ok=True)
+    state_path, model_dir = out / "state.pt", out / "model"
+
+    # 1. The model, or where the last run stopped (the same recipe only).
+    model, processor = build(r.arch, r.seed)
+    tok = processor.tokenizer
+    opt = torch.optim.AdamW(model.parameters(), lr=r.lr, weight_decay=r.weight_decay)
+    step, history = 0, []
+    if state_path.is_file():
+        st = torch.load(state_path, weights_only=False)
+        if st["recipe"] != asdict(r):
+            raise InputError(f"{out} holds a run of another recipe", "pass the same options, or a new --out")
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        step, history = st["step"], st["history"]
+    if step >= r.steps and model_dir.is_dir():
+        console.print(f"{out}: already trained ({step} steps)")
+        return model_dir
+
+    def checkpoint() -> None:
+        tmp = state_path.with_name(state_path.name + ".tmp")
+        torch.save({"recipe": asdict(r), "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                    "history": history}, tmp)
+        os.replace(tmp, state_path)
+
+    # 2. Steps, checkpointed every few minutes and when stopped.
+    t_start = last = time.monotonic()
+    model.train()
+    columns = (TextColumn("[bold]reward model"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    data = Prefetch(r, step, workers)
+    threads = torch.get_num_threads()
+    if workers:
+        torch.set_num_threads(max(1, threads - workers))  # a core each: oversubscribed threads spin
+    with Progress(*columns, console=console, disable=not progress) as bar, contextlib.ExitStack() as stack:
+        stack.callback(data.close)
+        stack.callback(torch.set_num_threads, threads)
+        task = bar.add_task("steps", total=r.steps, completed=step, info="")
+        smooth = None
+        while step < r.steps:
+            if max_minutes is not None and time.monotonic() - t_start > 60 * max_minutes:
+                checkpoint()
+                console.print(f"stopped at step {step}/{r.steps} (--max-minutes); rerun the same command to continue")
+                return model_dir
+            batch = data.get(step)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(r, step)
+            value, info = loss(model, tok, batch)
+            opt.zero_grad(set_to_none=True)
+            value.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            smooth = info if smooth is None else {k: 0.98 * smooth[k] + 0.02 * v for k, v in info.items()}
+            if step % 50 == 0:
+                history.append({"step": step, **{k: round(v, 4) for k, v in smooth.items()}})
+            bar.update(task, completed=step, info=f"loss {smooth['loss']:.3f} caption acc {smooth['caption_acc']:.2f}")
+            if time.monotonic() - last > 60 * r.checkpoint_minutes:
+                checkpoint()
+                last = time.monotonic()
+    checkpoint()
+
+    # 3. The model, in the layout `from_pretrained` loads.
+    model.eval()
+    _save_model(model, processor, model_dir)
+    console.print(f"[green]done[/]: {model_dir} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters)")
+    return model_dir
+
+
+# --------------------------------------------------------------------------------------------
+# Quality
+# --------------------------------------------------------------------------------------------
+
+
+def pairwise_accuracy(score, split: str = "test", per_task: int = 200, seed: int = 1234, blur: float = 0.0) -> dict:
+    """How often the matching caption scores above a one-detail-wrong caption, per GenEval task, on fresh
+    rendered scenes of `split`'s prompts (negatives from both splits, each checked false for the scene).
+    score(images: list[PIL.Image], prompts: list[str]) -> list[float] (a reward). blur: Gaussian sigma
+    applied to every render (0: crisp). Returns {"overall": mean of the tasks, task: accuracy}."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    acc = {}
+    for tag in shapes.TAGS:
+        cands = _prompts(tag, split)
+        images, own, wrong = [], [], []
+        for i in range(per_task):
+            meta = cands[i % len(cands)]
+            scene = shapes.scene_for(meta, rng)
+            neg = negatives(meta, scene, rng, 1, split=None)
+            boxes = shapes.visible_boxes(scene.objects)
+            one = [m for m in one_detail_wrong(meta) if not shapes.satisfied(m, scene.objects, boxes)]
+            neg = [one[int(rng.integers(len(one)))]["prompt"]] if one else neg
+            a = shapes.render(scene, SIZE)
+            if blur > 0:
+                a = np.clip(shapes.blur(a, blur), 0, 255).astype(np.uint8)
+            images.append(Image.fromarray(a))
+            own.append(meta["prompt"])
+            wrong.append(neg[0])
+        s_own, s_wrong = np.asarray(score(images, own)), np.asarray(score(images, wrong))
+        acc[tag] = float(np.mean(s_own > s_wrong))
+    return {"overall": float(np.mean(list(acc.values()))), **acc}
