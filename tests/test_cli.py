@@ -177,7 +177,8 @@ BAD_INPUTS = ["missing-prompts", "empty-prompts", "unknown-reward", "unknown-mod
               "nan-in-scores", "nan-from-reward", "bad-sampler", "window-does-not-fit"]
 
 
-# Counts and rates out of range, typed as a user would: refused before any work, nothing written.
+# Counts and rates out of range, and files of the wrong kind, typed as a user would: refused before any
+# work, nothing written.
 BAD_COUNTS = {
     "pretrain-negative-steps": (["pretrain-shapes", "--out", "{tmp}/pre", "--flow-steps", "-5"], ["--flow-steps", "-5", ">= 1"]),
     "pretrain-zero-steps": (["pretrain-shapes", "--out", "{tmp}/pre", "--flow-steps", "0"], ["--flow-steps", ">= 1"]),
@@ -189,6 +190,14 @@ BAD_COUNTS = {
     "shapes-prompts-seed": (["prompts", "shapes", "--split", "train", "--seed", "-1", "--out", "{tmp}/p.jsonl"], ["--seed", ">= 0"]),
     "rollout-zero-group": (["rollout", "--prompts", "{prompts}", "--group-size", "0", "--out", "{tmp}/r"], ["group_size", "> 0"]),
     "run-zero-rounds": (["run", "{recipe}", "--rounds", "0", "--out", "{tmp}/run"], ["rounds", "> 0"]),
+    "reward-pretrain-zero-steps": (["pretrain-shapes-reward", "--out", "{tmp}/pre", "--steps", "0"], ["--steps", ">= 1"]),
+    "reward-pretrain-no-minutes": (["pretrain-shapes-reward", "--out", "{tmp}/pre", "--max-minutes", "-1"], ["positive"]),
+    "train-adam-beta": (["train", "--rollout", "{tmp}/r", "--advantages", "{tmp}/a", "--out", "{tmp}/t", "--adam-beta2", "1"],
+                        ["adam_beta2", "[0, 1)"]),
+    "eval-negative-guidance": (["eval", "reward", "--prompts", "{prompts}", "--reward", "brightness", "--guidance", "-1",
+                                "--out", "{tmp}/e"], ["guidance", "> 0"]),
+    # a file of the wrong kind where a table is expected: the fix is to pass the right one, not to rerun
+    "advantages-of-a-text-file": (["advantages", "{prompts}", "--out", "{tmp}/a"], ["not a readable parquet", ".parquet files"]),
 }
 
 

@@ -736,6 +736,13 @@ def write_parquet(path: Path, table, meta: dict | None = None) -> None:
     atomic_write(path, parquet_bytes(table, meta))
 
 
+def _unreadable_fix(path: Path, stage: str) -> str:
+    """A file that is not Parquet by its name was given by mistake; one that is was damaged."""
+    if Path(path).suffix != ".parquet":
+        return f"pass the folder {stage} wrote, or one of its .parquet files"
+    return f"rerun {stage} to rewrite it"
+
+
 def parquet_files(path: Path, what: str) -> list[Path]:
     """One Parquet file, or every *.parquet in a folder."""
     path = Path(path)
@@ -769,7 +776,7 @@ def parquet_meta(path: Path) -> dict:
     try:
         raw = (pq.read_schema(path).metadata or {}).get(PARQUET_META)
     except (pa.ArrowInvalid, OSError) as e:
-        raise InputError(f"{path}: not a readable Parquet file ({e})", "rerun the stage that wrote it") from None
+        raise InputError(f"{path}: not a readable Parquet file ({e})", _unreadable_fix(path, "the stage")) from None
     try:
         meta = json.loads(raw) if raw else {}
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -802,7 +809,7 @@ def read_parquet_tables(path: Path, what: str) -> "Any":
         try:
             tables.append(pq.read_table(f))
         except (pa.ArrowInvalid, OSError) as e:
-            raise InputError(f"{f}: not a readable Parquet file ({e})", f"rerun `tpkit {what}` to rewrite it") from None
+            raise InputError(f"{f}: not a readable Parquet file ({e})", _unreadable_fix(f, f"`tpkit {what}`")) from None
     try:
         return pa.concat_tables(tables, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
