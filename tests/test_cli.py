@@ -198,6 +198,12 @@ BAD_COUNTS = {
                                 "--out", "{tmp}/e"], ["guidance", "> 0"]),
     # a file of the wrong kind where a table is expected: the fix is to pass the right one, not to rerun
     "advantages-of-a-text-file": (["advantages", "{prompts}", "--out", "{tmp}/a"], ["not a readable parquet", ".parquet files"]),
+    "prompts-are-a-folder": (["rollout", "--prompts", "{tmp}", "--out", "{tmp}/r"], ["is a folder", "--prompts file"]),
+    # an --out under a file (a mistyped path): named as such, not as a raw OSError
+    "out-under-a-file": (["rollout", "--prompts", "{prompts}", "--group-size", "2", "--out", "{prompts}/r"],
+                         ["is a file, not a folder", "parent folders"]),
+    "prompt-file-under-a-file": (["prompts", "shapes", "--split", "train", "--out", "{prompts}/p.jsonl"],
+                                 ["is a file, not a folder"]),
 }
 
 

@@ -84,8 +84,9 @@ def run(app, argv: list[str]) -> None:
     except OSError as e:
         if debug:
             raise
-        error(os_message(e, argv))
-        sys.exit(1)
+        message, code = os_message(e, argv)
+        error(message)
+        sys.exit(code)
     except Exception as e:
         if debug:
             raise
@@ -97,9 +98,9 @@ NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 RERUN = "rerun the same command to continue: what is finished is kept"
 
 
-def os_message(e: OSError, argv: list[str]) -> str:
+def os_message(e: OSError, argv: list[str]) -> tuple[str, int]:
     """A file-system error in tpkit's voice: what happened where (the file, else the --out folder), and the
-    fix. Every stage writes each file under a temporary name and renames it into place, so a rerun
+    fix; and the exit code (2 for a mistyped path, as for other bad input; 1 for the machine's state). Every stage writes each file under a temporary name and renames it into place, so a rerun
     after the cause is fixed continues (`tpkit run` says what a round needs: run.disk_full)."""
     out = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--out"), None)
     where = e.filename or out or "the output folder"
@@ -108,12 +109,16 @@ def os_message(e: OSError, argv: list[str]) -> str:
         room = f" ({layout.human_bytes(free)} free there)" if free is not None else ""
         return (f"{e.strerror or 'no space left on the device'}: {where}{room}\n"
                 f"  fix: free space there or pass --out on a bigger disk (`tpkit doctor RECIPE` estimates what a "
-                f"run writes), then {RERUN}")
+                f"run writes), then {RERUN}"), 1
+    blocking = layout.file_on_the_way(Path(out or where)) if e.errno in (errno.ENOTDIR, errno.EEXIST) else None
+    if blocking is not None:  # --out runs/x/y where runs/x is a file: a mistyped path, not a disk problem
+        return (f"{blocking} is a file, not a folder, so {out or where} cannot be written under it\n"
+                f"  fix: pass an --out whose parent folders are folders, or move {blocking} away"), 2
     if e.errno in NOT_WRITABLE:
         return (f"{e.strerror or 'cannot write'}: {where}\n"
-                f"  fix: pass an --out folder you can write to (or make it writable), then {RERUN}")
+                f"  fix: pass an --out folder you can write to (or make it writable), then {RERUN}"), 1
     return (f"{type(e).__name__}: {e}".splitlines()[0][:300] + f"\n  fix: check {where}, then {RERUN} "
-            "(--debug for the traceback)")
+            "(--debug for the traceback)"), 1
 
 
 def usage_message(e, argv: list[str]) -> str:

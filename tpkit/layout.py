@@ -105,6 +105,14 @@ def eval_dir(run_dir: Path, round_index: int) -> Path:
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # OSError errnos of a disk (or a quota) that is full
 
 
+def file_on_the_way(path: Path) -> Path | None:
+    """The file among `path` and its parents that keeps `path` from being (or being created as) a folder."""
+    for p in [Path(path), *Path(path).parents]:
+        if p.exists():
+            return p if p.is_file() else None
+    return None
+
+
 def nearest_existing(path: Path) -> Path:
     """path, or its nearest parent that exists (a folder a stage has not created yet lives on its disk)."""
     path = Path(os.path.abspath(Path(path).expanduser()))
@@ -835,7 +843,8 @@ def load_prompts(path: Path) -> list[Prompt]:
     """
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"prompts file {path} does not exist", "pass --prompts FILE (.txt, one prompt a line, or .jsonl)")
+        raise InputError(f"prompts file {path} " + ("is a folder" if path.is_dir() else "does not exist"),
+                         "pass --prompts FILE (.txt, one prompt a line, or .jsonl)")
     if path.suffix not in (".txt", ".jsonl"):
         raise InputError(f"prompts file {path} is neither .txt nor .jsonl", "use a .txt (one prompt a line) or .jsonl file")
     try:
