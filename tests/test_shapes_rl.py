@@ -100,6 +100,32 @@ def test_heldout_verdict_by_hand(tmp_path):
     assert evaluate.heldout_change(tmp_path, lines[:2]) is None  # no evaluated round yet
 
 
+def test_a_learned_reward_beside_geneval_says_when_they_disagree(tmp_path):
+    """An evaluation with a reward measured beside GenEval: the headline is the reward (what the run optimises),
+    GenEval's change is given beside it, and a reward that rose while accuracy fell is called reward hacking."""
+    from tpkit.show import heldout_verdict
+
+    def folder(path: Path, reward: list[float], correct: list[int]) -> None:
+        path.mkdir(parents=True)
+        rows = [{"index": i, "sample": 0, "tag": "colors", "correct": bool(c), "reward": r, "reward_pickscore": r}
+                for i, (r, c) in enumerate(zip(reward, correct))]
+        (path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        layout.atomic_write_json(path / layout.MANIFEST, {"stage": "eval-geneval", "summary": {
+            "overall": float(np.mean(correct)), "tasks": {"colors": {"accuracy": float(np.mean(correct))}},
+            "reward_overall": {"reward": {"mean": float(np.mean(reward))}}}})
+
+    folder(tmp_path / layout.BASE_EVAL, [1.0, 2.0, 3.0, 4.0], [1, 1, 1, 1])
+    folder(layout.eval_dir(tmp_path, 0), [2.0, 3.1, 3.9, 5.0], [0, 0, 0, 0])  # +1 +-0.1 reward, every image now wrong
+    summary = evaluate.summary(layout.eval_dir(tmp_path, 0))
+    assert evaluate.eval_key(summary) == "reward" and summary["geneval_overall"] == 0.0
+    c = evaluate.heldout_change(tmp_path, [{"round": 1, "eval": summary}])
+    assert c["metric"] == "reward" and abs(c["delta"] - 1.0) < 1e-12
+    assert c["geneval"]["metric"] == "geneval_overall" and c["geneval"]["delta"] == -1.0
+    verdict = heldout_verdict(c)
+    assert "held-out reward" in verdict and "reward hacking" in verdict and "held-out geneval_overall" in verdict
+    assert "reward hacking" not in heldout_verdict(dict(c, geneval=dict(c["geneval"], delta=0.5, delta_se=0.0)))
+
+
 def test_task_rows_by_hand():
     from tpkit.show import task_rows
 

@@ -127,6 +127,12 @@ def run(cfg: EvalConfig) -> dict | None:
                 raise InputError(f"prompt {p.prompt_id} ({p.prompt!r}): not GenEval metadata ({e})",
                                  "pass GenEval metadata (evaluation_metadata.jsonl or `tpkit prompts geneval`)") from None
         scorer = _geneval_scorer(cfg)
+        if cfg.rewards:  # rewards measured beside GenEval (the learned reward a run optimises, say)
+            extra = load_rewards(cfg.rewards, {k: v for k, v in cfg.reward_options.items() if k in cfg.rewards})
+            check_inputs(extra, [p.prompt for p in prompts], [p.metadata for p in prompts])
+            judge_only = scorer
+            scorer = lambda p, images: [j | r for j, r in zip(judge_only(p, images),  # noqa: E731
+                                                              score_prompt_rewards(extra, p, images))]
     else:
         rewards = load_rewards(cfg.rewards, cfg.reward_options)
         check_inputs(rewards, [p.prompt for p in prompts], [p.metadata for p in prompts])  # before any image is made
@@ -196,7 +202,9 @@ def _run(cfg: EvalConfig, ident: dict, prompts: list[layout.Prompt], folders: li
         return None
     results = [r for i in range(len(prompts)) for r in json.loads((prompt_dir(out, i) / "results.json").read_text())]
     layout.atomic_write(out / RESULTS, "".join(json.dumps(r) + "\n" for r in results).encode())
-    summary = geneval_summary(results) if cfg.kind == "geneval" else reward_summary(results, cfg.rewards)
+    summary = reward_summary(results, cfg.rewards) if cfg.rewards else {}
+    if cfg.kind == "geneval":
+        summary = geneval_summary(results) | ({"reward_overall": summary["overall"]} if summary else {})
     layout.atomic_write_json(out / SUMMARY, summary)
     write_grids(out, results, cfg)
     generated = 0 if cfg.images else len(results)
@@ -320,8 +328,9 @@ def write_grids(out: Path, results: list[dict], cfg: EvalConfig) -> None:
 
 
 def eval_key(summary: dict) -> str:
-    """The headline of a held-out evaluation: GenEval overall accuracy, else the first reward's mean."""
-    return "geneval_overall" if "geneval_overall" in summary else next(iter(summary))
+    """The headline of a held-out evaluation: the rewards' weighted sum where measured (what a run optimises),
+    else GenEval overall accuracy, else the first number."""
+    return next((k for k in ("reward", "geneval_overall") if k in summary), next(iter(summary)))
 
 
 def _per_prompt(rows: list[dict], column: str) -> dict[int, float]:
@@ -377,8 +386,9 @@ def summary(folder: Path) -> dict | None:
         return None
     m = json.loads((folder / layout.MANIFEST).read_text())
     s = m["summary"]
-    if m["stage"] == "eval-geneval":
-        out = {"geneval_overall": s["overall"], **{f"geneval_{t}": v["accuracy"] for t, v in s["tasks"].items()}}
+    if m["stage"] == "eval-geneval":  # rewards measured beside it first: the headline is what a run optimises
+        out = {c: v["mean"] for c, v in s.get("reward_overall", {}).items()}
+        out |= {"geneval_overall": s["overall"], **{f"geneval_{t}": v["accuracy"] for t, v in s["tasks"].items()}}
     else:
         out = {c: v["mean"] for c, v in s["overall"].items()}
     key = eval_key(out)  # the headline's standard error over prompts, for report.png's error bars
@@ -400,8 +410,14 @@ def heldout_change(run_dir: Path, lines: list[dict]) -> dict | None:
     if not evaluated or not (base_dir / layout.MANIFEST).is_file():
         return None
     last = evaluated[-1]
-    metric = eval_key(last["eval"])
-    cell = paired_cell(layout.read_jsonl(layout.eval_dir(run_dir, last["round"] - 1) / RESULTS),
-                               layout.read_jsonl(base_dir / RESULTS), metric)
-    return {"metric": metric, "round": last["round"], "base": cell["mean"] - cell["delta"], "last": cell["mean"],
-            "delta": cell["delta"], "delta_se": cell["delta_se"]}
+    rows, base = layout.read_jsonl(layout.eval_dir(run_dir, last["round"] - 1) / RESULTS), layout.read_jsonl(base_dir / RESULTS)
+
+    def change(metric: str) -> dict:
+        cell = paired_cell(rows, base, metric)
+        return {"metric": metric, "round": last["round"], "base": cell["mean"] - cell["delta"], "last": cell["mean"],
+                "delta": cell["delta"], "delta_se": cell["delta_se"]}
+
+    out = change(eval_key(last["eval"]))
+    if out["metric"] != "geneval_overall" and "geneval_overall" in last["eval"]:
+        out["geneval"] = change("geneval_overall")  # beside a learned reward: did it track what it stands for?
+    return out

@@ -177,12 +177,29 @@ def task_rows(lines: list[dict], base_eval: dict | None) -> list[tuple]:
 def heldout_verdict(c: dict) -> str:
     """One line: the held-out change after the last evaluated round, with its 95 % interval (paired over
     prompts), and whether it is distinguishable from evaluation noise."""
+    line, sign = _change_line(c)
+    if sign == 0:
+        line = f"[yellow]{line}: not distinguishable from evaluation noise[/]"
+    else:
+        line = f"[green]{line}[/]" if sign > 0 else f"[red]{line}: worse than the base model[/]"
+    if "geneval" not in c:
+        return line
+    # A learned reward beside GenEval: does what it rewards still agree with what it stands for?
+    g, g_sign = _change_line(c["geneval"])
+    if sign > 0 and g_sign < 0:
+        return f"{line}\n[red]{g}: the reward rose while GenEval accuracy fell (reward hacking)[/]"
+    if sign > 0 and g_sign == 0:
+        return f"{line}\n[yellow]{g}: not distinguishable from noise, the reward's gain is not (yet) GenEval's[/]"
+    return f"{line}\n{'[green]' if g_sign > 0 else '[yellow]' if g_sign == 0 else '[red]'}{g}[/]"
+
+
+def _change_line(c: dict) -> tuple[str, int]:
+    """The held-out change as one line, and +1 / -1 where its 95 % interval excludes zero, else 0 (NaN se
+    from one prompt counts as indistinguishable too)."""
     half = 1.96 * c["delta_se"]
     line = (f"held-out {c['metric']}: {c['base']:.3f} (base) -> {c['last']:.3f} after {c['round']} rounds, "
             f"{c['delta']:+.3f} ± {half:.3f} (95 %, paired over prompts)")
-    if not abs(c["delta"]) > half:  # NaN se (one prompt) counts as indistinguishable too
-        return f"[yellow]{line}: not distinguishable from evaluation noise[/]"
-    return f"[green]{line}[/]" if c["delta"] > 0 else f"[red]{line}: worse than the base model[/]"
+    return line, (0 if not abs(c["delta"]) > half else 1 if c["delta"] > 0 else -1)
 
 
 def trajectory_view(result: dict) -> None:

@@ -31,7 +31,7 @@ from tpkit import hub
 from tpkit.errors import ModelError, RewardError
 from tpkit.models.names import SHAPES_PICKSCORE
 from tpkit.rewards.options import RewardFn, take_options
-from tpkit.runtime import pick_device
+from tpkit.runtime import pick_device, quiet_libraries
 
 MAX_TEXT_TOKENS = 77  # CLIP's context length; PickScore's reference truncates prompts to it
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -100,6 +100,7 @@ class ClipEmbedder:
                  what: str = "CLIP model"):
         from transformers import CLIPModel, CLIPProcessor
 
+        quiet_libraries()  # no "Loading weights" bar inside tpkit's progress
         self.device = pick_device("auto")
         self.dtype = _dtype(reward, dtype, self.device)
         self.batch_size = batch_size

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tpkit import layout
 from tpkit.errors import InputError
 from tpkit.geneval import prompts as gp
 from tpkit.models.names import SHAPES_PICKSCORE
@@ -73,7 +74,7 @@ class Arch:
 @dataclass
 class Recipe:
     seed: int = 0
-    steps: int = 6000
+    steps: int = 3500  # about 30 minutes on 2 cores (one renders, one trains)
     pairs: int = 32  # scene pairs per batch (64 images)
     negatives: int = 8  # extra captions per image, each checked false for it (one-detail-wrong first)
     lr: float = 1e-3
@@ -359,6 +360,9 @@ def _save_model(model, processor, folder: Path) -> None:
     try:
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
+        os.chmod(tmp, 0o777 & ~layout.umask())  # mkdtemp's 0700 and the writers' 0600 would hide it from others
+        for f in tmp.iterdir():
+            os.chmod(f, layout.file_mode())
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)
