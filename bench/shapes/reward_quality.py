@@ -115,7 +115,7 @@ def main() -> None:
     if a.samples:
         result["tiny_shapes_samples"] = on_samples(score, a.samples)
     result["seconds"] = round(time.time() - t0, 1)
-    md = [f"# tiny-shapes-pickscore: quality on held-out prompts\n",
+    md = ["# tiny-shapes-pickscore: quality on held-out prompts\n",
           f"`python bench/shapes/reward_quality.py --model {a.model} --per-task {a.per_task} --samples {a.samples}` "
           f"({result['seconds']} s).\n",
           table("Pairwise accuracy on rendered scenes (own caption > one-detail-wrong caption)", rendered)]
