@@ -7,10 +7,12 @@ shipped model's quality on held-out prompts through the real `pickscore` reward 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
+import torch
 from conftest import cli
 
 from tpkit import layout
@@ -81,7 +83,7 @@ def test_pretrain_command_is_resumable_and_loads_in_the_pickscore_reward(tmp_pat
     from tpkit.rewards.registry import load_rewards, score_images
 
     out = tmp_path / "reward"
-    argv = ["pretrain-shapes-reward", "--out", out, "--steps", "3", "--workers", "0"]
+    argv = ["pretrain-shapes-reward", "--out", out, "--steps", "3", "--workers", "0", "--sample-pairs", "0"]
     assert cli(*argv) == 0
     model = out / "model"
     assert (model / "config.json").is_file() and (model / "model.safetensors").is_file()
@@ -94,13 +96,59 @@ def test_pretrain_command_is_resumable_and_loads_in_the_pickscore_reward(tmp_pat
     capfd.readouterr()
     assert cli(*argv) == 0 and "already trained" in " ".join(capfd.readouterr().err.split())
     assert (model / "model.safetensors").read_bytes() == before
-    assert cli("pretrain-shapes-reward", "--out", out, "--steps", "5", "--workers", "0") == 2  # another recipe
+    assert cli("pretrain-shapes-reward", "--out", out, "--steps", "5", "--workers", "0", "--sample-pairs", "0") == 2  # another recipe
     assert "another recipe" in " ".join(capfd.readouterr().err.split())
     assert cli("pretrain-shapes-reward", "--out", tmp_path / "x", "--steps", "0") == 2
     rewards = load_rewards({"pickscore": 1.0}, {"pickscore": {"model": str(model), "processor": str(model)}})
     image = Image.new("RGB", (64, 64), (255, 255, 255))
     scores = score_images(rewards, [image, image], ["a photo of a circle", "a photo of a square"], [{}, {}])["reward"]
     assert all(np.isfinite(scores)) and scores[0] != scores[1]
+
+
+def test_the_sample_bank_ranks_the_generators_own_samples_of_train_prompts(tmp_path):
+    """The bank holds tiny-shapes samples judged by GenEval's judge (re-judging a stored image gives its
+    score); a test prompt is refused; each ranked pair is two samples of one prompt, the better first;
+    training draws the bank once and a rerun with other bank settings is refused."""
+    from PIL import Image
+
+    from tpkit.errors import InputError
+    from tpkit.geneval import detectors
+
+    r = preference.Recipe(pairs=2, negatives=2, sample_pairs=4, samples_per_prompt=3, sample_steps=4, rank_start=0)
+    metas = [shapes.split_prompts(t, "train")[0] for t in ("two_object", "counting", "color_attr", "position")]
+    path = preference.sample_bank(tmp_path / preference.BANK, r, metas, progress=False)
+    bank = preference._bank(str(path))
+    assert bank["images"].shape == (12, preference.SIZE, preference.SIZE, 3) and bank["images"].dtype == np.uint8
+    assert list(bank["prompts"]) == [m["prompt"] for m in metas for _ in range(3)]
+    detector, colours = detectors.load_models("shapes")
+    again = detectors.detect_and_judge([Image.fromarray(a) for a in bank["images"]], [m for m in metas for _ in range(3)],
+                                       detector, colours)
+    assert [j.score for j in again] == list(bank["dense"]) and [j.correct for j in again] == list(bank["correct"])
+    with pytest.raises(ValueError, match="test-split"):
+        preference.sample_bank(tmp_path / "x.npz", r, [shapes.split_prompts("counting", "test")[0]], progress=False)
+    if bank["groups"]:  # 3 samples of 4 prompts: some prompt's samples differ (the generator is not that good)
+        batch = preference.batch_for(r, 0, str(path))
+        assert batch.ranked.shape == (8, 3, preference.SIZE, preference.SIZE)
+        images = ((batch.ranked.permute(0, 2, 3, 1) * 0.5 + 0.5) * 255).round().to(torch.uint8).numpy()
+        where = [int(np.flatnonzero((bank["images"] == im).all(axis=(1, 2, 3)))[0]) for im in images]
+        for k, caption in enumerate(batch.ranked_captions):
+            better, worse = where[2 * k], where[2 * k + 1]
+            assert bank["prompts"][better] == bank["prompts"][worse] == caption
+            assert bank["dense"][better] > bank["dense"][worse]
+        value, info = preference.loss(*(lambda m, p: (m, p.tokenizer))(*preference.build()), batch)
+        assert torch.isfinite(value) and 0 <= info["rank_acc"] <= 1
+        assert preference.batch_for(dataclasses.replace(r, rank_start=1), 0, str(path)).ranked is None  # not yet
+
+    # through train(): the bank is drawn once (all 223 train prompts: one ODE step keeps it quick)
+    small = preference.Recipe(steps=2, pairs=2, negatives=2, warmup=1, sample_pairs=2, samples_per_prompt=2, sample_steps=1,
+                              rank_start=1)
+    preference.train(tmp_path / "run", small, progress=False, workers=0)
+    drawn = (tmp_path / "run" / preference.BANK).stat().st_mtime_ns
+    assert preference.bank_settings(tmp_path / "run" / preference.BANK) == preference._bank_settings(small)
+    (tmp_path / "run" / "state.pt").unlink()  # a new recipe over an old bank: refused, the bank kept
+    with pytest.raises(InputError, match="another recipe"):
+        preference.train(tmp_path / "run", dataclasses.replace(small, samples_per_prompt=3), progress=False, workers=0)
+    assert (tmp_path / "run" / preference.BANK).stat().st_mtime_ns == drawn
 
 
 shipped = pytest.mark.skipif(not (preference.weights_dir() / "model.safetensors").is_file(),

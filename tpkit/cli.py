@@ -483,6 +483,8 @@ def pretrain_shapes_reward(
     max_minutes: Optional[float] = typer.Option(None, help="Stop (checkpointed) after this many minutes; rerun to continue."),
     steps: Optional[int] = typer.Option(None, help="Optimizer steps (default: the recipe's)."),
     workers: int = typer.Option(1, help="Processes rendering the batches ahead (0: inline); the result does not depend on it."),
+    sample_pairs: Optional[int] = typer.Option(None, help="Ranked pairs of tiny-shapes samples per batch (0: rendered scenes only)."),
+    samples_per_prompt: Optional[int] = typer.Option(None, help="tiny-shapes samples drawn per train prompt for the ranking."),
 ) -> None:
     """Pretrain `tiny-shapes-pickscore`, the testbed's CLIP preference model, on train-split prompts (fixed seed;
     resumable: rerun the same command)."""
@@ -490,8 +492,9 @@ def pretrain_shapes_reward(
 
     _positive_minutes(max_minutes)
     recipe = preference.Recipe()
-    if steps is not None:
-        recipe.steps = steps
+    for name, value in (("steps", steps), ("sample_pairs", sample_pairs), ("samples_per_prompt", samples_per_prompt)):
+        if value is not None:
+            setattr(recipe, name, value)
     if workers < 0:
         raise InputError(f"--workers {workers} must be >= 0", "e.g. --workers 1 (one core renders, one trains)")
     preference.train(out, recipe, max_minutes=max_minutes, workers=workers)

@@ -1,10 +1,13 @@
 """TP-GRPO against Flow-GRPO on tiny-shapes, measured like a paper: seeds, intervals, held-out prompts.
 
-    python bench/compare/compare_methods.py [--seeds 0 1 2] [--rounds 6] [--jobs 2] [--no-ablations]
-                                            [--runs runs/compare] [--out bench/compare] [--long-rounds 18 [--long-seeds 0 1 2]]
+    python bench/compare/compare_methods.py [--reward geneval|pickscore] [--seeds 0 1 2] [--rounds 6] [--jobs 2]
+                                            [--no-ablations] [--runs runs/compare] [--out bench/compare]
+                                            [--long-rounds 18 [--long-seeds 0 1 2]]
 
 1. Runs. pipelines/shapes-tpgrpo.toml and pipelines/shapes-flowgrpo.toml (identical but for the
-   method, so both are tuned equally) with every seed; the paper's ablations on TP-GRPO with the
+   method, so both are tuned equally; --reward pickscore: the pair trained on the learned reward,
+   pipelines/shapes-{tpgrpo,flowgrpo}-pickscore.toml, whose headline is the held-out learned reward
+   with GenEval accuracy beside it) with every seed; the paper's ablations on TP-GRPO with the
    first seed: window size K in {3, 6, 9} and noise level a in {0.5, 0.7, 0.9} (K = 9, a = 0.7 is
    the main run). Each is one `tpkit run` in its own process; --jobs of them run side by side, each
    with its share of the cores (`tpkit --threads`). A finished run is kept, a stopped one resumes:
@@ -13,7 +16,8 @@
    6, the comparison at equal wall time.
 2. The base model is evaluated by every run (`eval-base/`, the "round 0" point of its held-out
    curve; same prompts and seeds in every run, so the copies agree: a check, for about a minute each).
-3. Everything is read back from the runs' rounds.jsonl: held-out GenEval accuracy (data/shapes-test.jsonl,
+3. Everything is read back from the runs' rounds.jsonl: the held-out metric (GenEval accuracy, or the
+   learned reward the pickscore recipes optimise, with accuracy beside it; data/shapes-test.jsonl,
    never trained on or tuned on) and train reward per round, as mean and 95 % t-interval over seeds;
    the round at which TP-GRPO's mean first reaches Flow-GRPO's final mean; final accuracy per task;
    turning points, zero step rewards and mean |d_k| per step early and late in training; seconds
@@ -39,7 +43,15 @@ from tpkit import run as tpkit_run
 from tpkit.config import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is bench/compare/compare_methods.py)
-RECIPES = {"tp-grpo": ROOT / "pipelines" / "shapes-tpgrpo.toml", "flow-grpo": ROOT / "pipelines" / "shapes-flowgrpo.toml"}
+RECIPE_PAIRS = {  # --reward -> method -> recipe (each pair identical but for the method)
+    "geneval": {"tp-grpo": ROOT / "pipelines" / "shapes-tpgrpo.toml", "flow-grpo": ROOT / "pipelines" / "shapes-flowgrpo.toml"},
+    "pickscore": {"tp-grpo": ROOT / "pipelines" / "shapes-tpgrpo-pickscore.toml",
+                  "flow-grpo": ROOT / "pipelines" / "shapes-flowgrpo-pickscore.toml"},
+}
+RECIPES = RECIPE_PAIRS["geneval"]  # the methods, in report order (and the default pair)
+# --reward -> the held-out metric of the headline (rounds.jsonl "eval" key) and its name
+METRICS = {"geneval": ("geneval_overall", "held-out GenEval accuracy"),
+           "pickscore": ("reward", "held-out learned reward (tiny-shapes-pickscore)")}
 TASKS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 ABLATIONS = {  # name -> --set overrides (TP-GRPO, first seed); the main run is K = 9, a = 0.7
     "K3": ["rollout.window_size=3"], "K6": ["rollout.window_size=6"],
@@ -58,6 +70,11 @@ class Job:
     overrides: list[str]
     out: Path
     rounds: int | None = None  # None: the comparison's --rounds; else a longer run (equal wall time)
+    reward: str = "geneval"  # which recipe pair (RECIPE_PAIRS)
+
+    @property
+    def recipe(self) -> Path:
+        return RECIPE_PAIRS[self.reward][self.method]
 
     @property
     def main(self) -> bool:
@@ -66,21 +83,21 @@ class Job:
 
     def command(self, rounds: int, threads: int) -> list[str]:
         sets = [a for o in [f"seed={self.seed}", *self.overrides] for a in ("--set", o)]
-        return [sys.executable, "-m", "tpkit", "--threads", str(threads), "run", str(RECIPES[self.method]),
+        return [sys.executable, "-m", "tpkit", "--threads", str(threads), "run", str(self.recipe),
                 "--out", str(self.out), "--rounds", str(self.rounds or rounds), *sets]
 
 
-def jobs(seeds: list[int], runs_dir: Path, ablations: bool) -> list[Job]:
-    runs = [Job(f"{m}-s{s}", m, s, [], runs_dir / f"{m}-s{s}") for s in seeds for m in RECIPES]
+def jobs(seeds: list[int], runs_dir: Path, ablations: bool, reward: str = "geneval") -> list[Job]:
+    runs = [Job(f"{m}-s{s}", m, s, [], runs_dir / f"{m}-s{s}", reward=reward) for s in seeds for m in RECIPES]
     if ablations:
-        runs += [Job(f"tp-grpo-{a}", "tp-grpo", seeds[0], o, runs_dir / f"tp-grpo-{a}-s{seeds[0]}")
+        runs += [Job(f"tp-grpo-{a}", "tp-grpo", seeds[0], o, runs_dir / f"tp-grpo-{a}-s{seeds[0]}", reward=reward)
                  for a, o in ABLATIONS.items()]
     return runs
 
 
-def long_jobs(seeds: list[int], runs_dir: Path, rounds: int) -> list[Job]:
+def long_jobs(seeds: list[int], runs_dir: Path, rounds: int, reward: str = "geneval") -> list[Job]:
     """Flow-GRPO run for `rounds` rounds: about TP-GRPO's wall time when `rounds` is ~3x the comparison's."""
-    return [Job(f"flow-grpo-{rounds}r-s{s}", "flow-grpo", s, [], runs_dir / f"flow-grpo-{rounds}r-s{s}", rounds)
+    return [Job(f"flow-grpo-{rounds}r-s{s}", "flow-grpo", s, [], runs_dir / f"flow-grpo-{rounds}r-s{s}", rounds, reward)
             for s in seeds]
 
 
@@ -100,7 +117,7 @@ def finished(job: Job, rounds: int) -> bool:
     path = job.out / "rounds.jsonl"
     if not path.is_file():
         return False
-    recipe = load_recipe(RECIPES[job.method], [f"seed={job.seed}", *job.overrides], out=str(job.out))
+    recipe = load_recipe(job.recipe, [f"seed={job.seed}", *job.overrides], out=str(job.out))
     diff = tpkit_run.recipe_difference(job.out, recipe)
     if diff:
         sys.exit(f"{job.out} holds a run of another recipe (differs in: {', '.join(diff)}); "
@@ -224,7 +241,7 @@ def fmt(mc: tuple[float, float], digits: int = 3) -> str:
     return f"{mc[0]:.{digits}f} ± {mc[1]:.{digits}f}"
 
 
-def plot(out: Path, agg: dict, diag: dict) -> None:
+def plot(out: Path, agg: dict, diag: dict, key: str = "geneval_overall", title: str = "held-out GenEval accuracy") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -233,14 +250,14 @@ def plot(out: Path, agg: dict, diag: dict) -> None:
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
     for method, a in agg.items():
         xs = sorted(a["eval"])
-        m = [a["eval"][x]["geneval_overall"][0] for x in xs]
-        h = [a["eval"][x]["geneval_overall"][1] for x in xs]
+        m = [a["eval"][x][key][0] for x in xs]
+        h = [a["eval"][x][key][1] for x in xs]
         ax[0].errorbar(xs, m, yerr=h, marker="o", capsize=3, label=method)
         rs = list(range(1, a["rounds"] + 1))
         ax[1].errorbar(rs, [v[0] for v in a["reward"]], yerr=[v[1] for v in a["reward"]], marker=".", capsize=3, label=method)
         ax[2].plot(rs, [v[0] for v in a["seconds"]], marker=".", label=method)
-    ax[0].set(title="held-out GenEval accuracy (mean, 95% CI)", xlabel="rounds trained", ylabel="accuracy")
-    ax[1].set(title="train reward, dense GenEval (mean, 95% CI)", xlabel="round", ylabel="reward")
+    ax[0].set(title=f"{title} (mean, 95% CI)", xlabel="rounds trained", ylabel=key)
+    ax[1].set(title="train reward (mean, 95% CI)", xlabel="round", ylabel="reward")
     ax[2].set(title="seconds per round (no eval)", xlabel="round", ylabel="s")
     for a in ax:
         a.legend()
@@ -268,13 +285,14 @@ def stage_minutes(all_jobs: list[Job]) -> float:
     return sum(v for j in all_jobs if finished(j, 1) for r in rounds_of(j) for v in r["seconds"].values()) / 60
 
 
-def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed: float) -> str:
+def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed: float, reward: str = "geneval") -> str:
+    key, title = METRICS[reward]
     by_method = {m: [rounds_of(j) for j in all_jobs if j.method == m and j.main] for m in RECIPES}
     agg = {m: curves(runs, base) for m, runs in by_method.items()}
     tp, fl = agg["tp-grpo"], agg["flow-grpo"]
     last = max(fl["eval"])
-    fl_final, tp_final = fl["eval"][last]["geneval_overall"], tp["eval"][last]["geneval_overall"]
-    reach = first_reaching({r: v["geneval_overall"] for r, v in tp["eval"].items()}, fl_final[0])
+    fl_final, tp_final = fl["eval"][last][key], tp["eval"][last][key]
+    reach = first_reaching({r: v[key] for r, v in tp["eval"].items()}, fl_final[0])
     reach_reward = next((i + 1 for i, (m, _) in enumerate(tp["reward"]) if m >= fl["reward"][-1][0]), None)
     third = max(1, tp["rounds"] // 3)
     diag = {f"{m} rounds 1-{third}": {k: per_step(by_method[m], k, slice(0, third)) for k in (
@@ -283,27 +301,37 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
     diag.update({f"tp-grpo rounds {tp['rounds'] - third + 1}-{tp['rounds']}": {k: per_step(
         by_method["tp-grpo"], k, slice(-third, None)) for k in (
         "tp_rate_per_step", "tp_kept_per_step", "zero_step_rewards_per_step", "mean_abs_step_reward_per_step")}})
-    plot(out, agg, diag)
+    plot(out, agg, diag, key, title)
+    recipes = [j.recipe.relative_to(ROOT).as_posix() for j in all_jobs if j.main][:2]
 
-    L = ["# TP-GRPO vs Flow-GRPO on tiny-shapes", "",
+    L = [f"# TP-GRPO vs Flow-GRPO on tiny-shapes: {title}", "",
          f"Regenerate: `python bench/compare/compare_methods.py {' '.join(sys.argv[1:])}` "
          f"(this call: {elapsed / 60:.0f} min of wall time on {os.cpu_count()} cores; finished runs are reused; the "
          f"{len([j for j in all_jobs if finished(j, 1)])} runs' stages took {stage_minutes(all_jobs):.0f} min in all, "
          "one run at a time).",
-         "Recipes: `pipelines/shapes-tpgrpo.toml` and `pipelines/shapes-flowgrpo.toml`, identical but for the method. "
-         "Held-out accuracy: GenEval's protocol with the shapes detector on `data/shapes-test.jsonl` "
+         f"Recipes: `{recipes[0]}` and `{recipes[1]}`, identical but for the method. "
+         + ("Held-out reward: the learned reward the runs optimise, on the same images as GenEval accuracy (beside it). "
+            if key != "geneval_overall" else "") + "Held-out accuracy: GenEval's protocol with the shapes detector on `data/shapes-test.jsonl` "
          "(no prompt in common with the train prompts; never used for a choice). Intervals: 95 % t-intervals over "
          f"{len(seeds)} seeds (seed = rollout noise and LoRA init; evaluation images use the same seeds for every run).", "",
-         "![curves](compare.png)", "", "## Held-out accuracy per evaluated round", "",
-         "| rounds trained | " + " | ".join(RECIPES) + " |", "| --- | " + " | ".join("---" for _ in RECIPES) + " |"]
+         "![curves](compare.png)", "", f"## {title[0].upper() + title[1:]} per evaluated round", ""]
+    beside = ["geneval_overall"] if key != "geneval_overall" else []  # a learned reward: did accuracy follow?
+    L += ["| rounds trained | " + " | ".join(RECIPES) + "".join(f" | {m} GenEval accuracy" for _ in beside for m in RECIPES)
+          + " |", "|" + " --- |" * (1 + len(RECIPES) * (1 + len(beside)))]
     for r in sorted(tp["eval"]):
-        L.append(f"| {r} | " + " | ".join(fmt(agg[m]["eval"][r]["geneval_overall"]) if r in agg[m]["eval"] else "" for m in RECIPES) + " |")
+        L.append(f"| {r} | " + " | ".join(fmt(agg[m]["eval"][r][k]) if r in agg[m]["eval"] else ""
+                                         for k in (key, *beside) for m in RECIPES) + " |")
     # Paired by seed (same seed = same first rollout noise and evaluation images): TP - Flow at the last evaluation.
     pairs = [(t, f) for t, f in zip(by_method["tp-grpo"], by_method["flow-grpo"])]
     final_eval = [next(r["eval"] for r in reversed(run) if r.get("eval")) for pair in pairs for run in pair]
-    diff = mean_ci([a["geneval_overall"] - b["geneval_overall"] for a, b in zip(final_eval[::2], final_eval[1::2])])
-    L += ["", f"- Flow-GRPO's final held-out accuracy (round {last}): **{fmt(fl_final)}**; TP-GRPO's: **{fmt(tp_final)}**; "
-          f"paired difference TP - Flow over seeds: **{diff[0]:+.3f} ± {diff[1]:.3f}**.",
+    diffs = {k: mean_ci([a[k] - b[k] for a, b in zip(final_eval[::2], final_eval[1::2])]) for k in (key, *beside)}
+    diff = diffs[key]
+    gains = {m: mean_ci([run[last - 1]["eval"][key] - base[key] for run in by_method[m]]) for m in RECIPES}
+    L += ["", f"- Flow-GRPO's final {title} (round {last}): **{fmt(fl_final)}**; TP-GRPO's: **{fmt(tp_final)}**; "
+          f"paired difference TP - Flow over seeds: **{diff[0]:+.3f} ± {diff[1]:.3f}**"
+          + "".join(f" (GenEval accuracy beside: {diffs[k][0]:+.3f} ± {diffs[k][1]:.3f})" for k in beside) + ".",
+          "- Gain over the base model (" + f"{base[key]:.3f}" + ") at the last evaluation, over seeds: "
+          + "; ".join(f"{m} **{g[0]:+.3f} ± {g[1]:.3f}**" for m, g in gains.items()) + ".",
           f"- TP-GRPO's mean first reaches Flow-GRPO's final mean at round **{reach if reach is not None else 'never (within the run)'}**"
           f" of {last} (evaluated every few rounds; round 0 is the base model).",
           f"- Train reward: TP-GRPO's mean first reaches Flow-GRPO's final mean ({fl['reward'][-1][0]:.3f}) at round "
@@ -311,8 +339,8 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
           "## Final accuracy per GenEval task", "", "| task | base | " + " | ".join(RECIPES) + " |",
           "| --- | --- | " + " | ".join("---" for _ in RECIPES) + " |"]
     for t in TASKS:
-        key = f"geneval_{t}"
-        L.append(f"| {t} | {base.get(key, float('nan')):.3f} | " + " | ".join(fmt(agg[m]['eval'][last][key]) for m in RECIPES) + " |")
+        task = f"geneval_{t}"
+        L.append(f"| {t} | {base.get(task, float('nan')):.3f} | " + " | ".join(fmt(agg[m]['eval'][last][task]) for m in RECIPES) + " |")
     L += ["", "## Train reward and time per round", "", "| round | " + " | ".join(f"{m} reward" for m in RECIPES)
           + " | " + " | ".join(f"{m} s/round" for m in RECIPES) + " |", "|" + " --- |" * (1 + 2 * len(RECIPES))]
     for i in range(tp["rounds"]):
@@ -326,11 +354,18 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
         L.append("")
         L.append("| step k | " + " | ".join(str(k + 1) for k in range(len(d["tp_rate_per_step"]))) + " |")
         L.append("|" + " --- |" * (1 + len(d["tp_rate_per_step"])))
-        for key, name in (("tp_rate_per_step", "candidate rate"), ("tp_kept_per_step", "kept (count)"),
-                          ("zero_step_rewards_per_step", "d_k = 0 share"), ("mean_abs_step_reward_per_step", "mean abs(d_k)")):
-            if d[key]:
-                L.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in d[key]) + " |")
+        for stat, name in (("tp_rate_per_step", "candidate rate"), ("tp_kept_per_step", "kept (count)"),
+                           ("zero_step_rewards_per_step", "d_k = 0 share"), ("mean_abs_step_reward_per_step", "mean abs(d_k)")):
+            if d[stat]:
+                L.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in d[stat]) + " |")
         L.append("")
+    # ties kill the sign tests: the worst step of any TP-GRPO round of any seed, not only the mean
+    tie_rounds = [line["zero_step_rewards_per_step"] for run in by_method["tp-grpo"] for line in run
+                  if line.get("zero_step_rewards_per_step") and None not in line["zero_step_rewards_per_step"]]
+    if tie_rounds:
+        calm = sum(max(shares) < 0.01 for shares in tie_rounds)
+        L += [f"Largest share of d_k = 0 at any step of any TP-GRPO round (all seeds): **{max(map(max, tie_rounds)):.3f}**; "
+              f"rounds with every step under 1 %: {calm} of {len(tie_rounds)}.", ""]
     L += ["## What held-out images get wrong (share of all images; first failure reason; mean over seeds)", "",
           "| outcome | base | " + " | ".join(f"{m} after {last}" for m in RECIPES) + " |",
           "| --- | --- | " + " | ".join("---" for _ in RECIPES) + " |"]
@@ -341,19 +376,19 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
         L.append(f"| {k} | {base_shares[k]:.3f} | " + " | ".join(fmt(mean_ci([s[k] for s in shares[m]])) for m in RECIPES) + " |")
     L.append("")
     evaluated = sorted(r for r in tp["eval"] if r)
-    L += [f"## Per seed (held-out GenEval overall; base {base.get('geneval_overall', float('nan')):.3f})", "",
+    L += [f"## Per seed ({title}; base {base.get(key, float('nan')):.3f})", "",
           "| run | " + " | ".join(f"after {r} rounds" for r in evaluated) + " |", "|" + " --- |" * (1 + len(evaluated))]
     for m in RECIPES:
         for j in (j for j in all_jobs if j.method == m and j.main):
-            ev = {i + 1: r["eval"]["geneval_overall"] for i, r in enumerate(rounds_of(j)) if r.get("eval")}
+            ev = {i + 1: r["eval"][key] for i, r in enumerate(rounds_of(j)) if r.get("eval")}
             L.append(f"| {m} seed {j.seed} | " + " | ".join(f"{ev[r]:.3f}" if r in ev else "" for r in evaluated) + " |")
     L.append("")
-    L += equal_time(all_jobs, base)
+    L += equal_time(all_jobs, base, key)
     abl = [j for j in all_jobs if j.overrides and finished(j, 1)]
     if abl:
         main = next(j for j in all_jobs if j.method == "tp-grpo" and j.seed == seeds[0] and j.main)
         L += ["## Ablations (TP-GRPO, seed " + str(seeds[0]) + ", one run each)", "",
-              f"Held-out accuracy (base {base.get('geneval_overall', float('nan')):.3f}); train reward as the mean over "
+              f"{title[0].upper() + title[1:]} (base {base.get(key, float('nan')):.3f}); train reward as the mean over "
               "all rounds (less noisy than one round's); cost as transformer calls a round (deterministic: seconds "
               "depend on what else shares the cores). One seed: differences below about 0.1 in held-out accuracy "
               "are within the seed-to-seed spread of the main comparison above.", "",
@@ -361,7 +396,7 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
               "| --- | --- | --- | --- | --- | --- | --- |"]
         for j in [main, *abl]:
             rs = rounds_of(j)
-            ev = {i + 1: r["eval"]["geneval_overall"] for i, r in enumerate(rs) if r.get("eval")}
+            ev = {i + 1: r["eval"][key] for i, r in enumerate(rs) if r.get("eval")}
             zero = [v for r in rs for v in (r.get("zero_step_rewards_per_step") or []) if v is not None]
             label = "K = 9, a = 0.7 (main)" if j is main else ", ".join(j.overrides)
             L.append(f"| {label} | {ev.get(3, float('nan')):.3f} | {ev.get(max(ev), float('nan')) if ev else float('nan'):.3f} | "
@@ -380,7 +415,7 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
     return text
 
 
-def equal_time(all_jobs: list[Job], base: dict) -> list[str]:
+def equal_time(all_jobs: list[Job], base: dict, key: str = "geneval_overall") -> list[str]:
     """Held-out accuracy against minutes of training (stage seconds, evaluations excluded) for the
     longer Flow-GRPO runs and TP-GRPO's comparison runs of the same seeds, and the paired difference
     at about TP-GRPO's final time."""
@@ -397,7 +432,7 @@ def equal_time(all_jobs: list[Job], base: dict) -> list[str]:
         for i in range(min(len(r) for r in runs)):
             if all(r[i].get("eval") for r in runs):
                 minutes = [sum(v for line in r[: i + 1] for k, v in line["seconds"].items() if k != "eval") / 60 for r in runs]
-                acc = [r[i]["eval"]["geneval_overall"] for r in runs]
+                acc = [r[i]["eval"][key] for r in runs]
                 out[i + 1] = (sum(minutes) / len(minutes), sum(acc) / len(acc), acc)
         return out
 
@@ -406,8 +441,8 @@ def equal_time(all_jobs: list[Job], base: dict) -> list[str]:
          "A Flow-GRPO round costs about a third of a TP-GRPO round (no branch completions to score), so at equal "
          "wall time Flow-GRPO trains about three times as many rounds. Minutes of training: the runs' own stage "
          "seconds, evaluations excluded, mean over seeds.", "",
-         "| method | rounds trained | minutes of training | held-out accuracy |", "| --- | --- | --- | --- |",
-         f"| base model | 0 | 0 | {base.get('geneval_overall', float('nan')):.3f} |"]
+         f"| method | rounds trained | minutes of training | {key} |", "| --- | --- | --- | --- |",
+         f"| base model | 0 | 0 | {base.get(key, float('nan')):.3f} |"]
     for name, pts in (("tp-grpo", pt), ("flow-grpo", pf)):
         for r, (minutes, _, acc) in sorted(pts.items()):
             L.append(f"| {name} | {r} | {minutes:.1f} | {fmt(mean_ci(acc))} |")
@@ -430,29 +465,34 @@ def make_folders(*folders: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reward", choices=list(RECIPE_PAIRS), default="geneval",
+                   help="which recipe pair: the dense GenEval score, or the learned reward (its own --runs/--out defaults)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--rounds", type=int, default=6, help="rounds per run (the recipes' 6)")
     p.add_argument("--jobs", type=int, default=2, help="runs side by side (each gets cores / jobs threads)")
     p.add_argument("--no-ablations", dest="ablations", action="store_false")
-    p.add_argument("--runs", type=Path, default=ROOT / "runs" / "compare", help="where the runs go (large)")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "compare", help="RESULTS.md and plots")
+    p.add_argument("--runs", type=Path, help="where the runs go (large; default runs/compare[-pickscore])")
+    p.add_argument("--out", type=Path, help="RESULTS.md and plots (default bench/compare[/pickscore])")
     p.add_argument("--long-rounds", type=int, default=0, help="also Flow-GRPO for this many rounds (18: about TP-GRPO's "
                                                                 "time for 6), continued from a copy of the comparison's run")
     p.add_argument("--long-seeds", type=int, nargs="+", help="seeds of those (default: the first three)")
     args = p.parse_args()
+    pick = args.reward != "geneval"
+    args.runs = args.runs or ROOT / "runs" / ("compare-" + args.reward if pick else "compare")
+    args.out = args.out or ROOT / "bench" / "compare" / (args.reward if pick else "")
     make_folders(args.runs, args.out)
     t0 = time.time()
-    all_jobs = jobs(args.seeds, args.runs, args.ablations)
+    all_jobs = jobs(args.seeds, args.runs, args.ablations, args.reward)
     run_jobs([j for j in all_jobs if not finished(j, args.rounds)], args.rounds, args.jobs)
     if args.long_rounds:  # after the comparison's runs, which they continue
-        long = long_jobs(args.long_seeds or args.seeds[:3], args.runs, args.long_rounds)
+        long = long_jobs(args.long_seeds or args.seeds[:3], args.runs, args.long_rounds, args.reward)
         for j in long:
             if not finished(j, args.rounds):
                 reuse_short(j, all_jobs)
         all_jobs += long
         run_jobs([j for j in long if not finished(j, args.rounds)], args.rounds, args.jobs)
     base = base_eval(all_jobs)
-    print(report(args.out, all_jobs, args.seeds, base, time.time() - t0))
+    print(report(args.out, all_jobs, args.seeds, base, time.time() - t0, args.reward))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ Everything goes through the `pickscore` reward exactly as `tpkit score --reward 
    GenEval task, how often the matching caption scores above a caption with one detail wrong (a
    class, a colour, the count, the relation, the colour binding), checked false for the scene by
    GenEval's judge on its true boxes.
-2. `tiny-shapes` samples (the eval sampler: ODE, 40 steps, CFG; `--samples` per test prompt):
+2. `tiny-shapes` samples (ODE with CFG; `--samples` per test prompt), with the eval sampler's 40 steps
+   and with the rollout's 10 (the images the reward judges during RL):
    the shapes detector says what is drawn. Pairwise accuracy on the samples it judges correct
    (the own caption against a one-detail-wrong caption its detections make false), and the
    Spearman correlation of the reward with GenEval's dense score, over all samples and within each
@@ -39,6 +40,9 @@ from tpkit.shapes import preference
 from tpkit.shapes import scenes as shapes
 
 
+SAMPLE_STEPS = (40, 10)  # the eval sampler's steps, the rollout's
+
+
 def reward(model: str):
     rewards = load_rewards({"pickscore": 1.0}, {"pickscore": {"model": model, "processor": model}})
     return lambda images, prompts: score_images(rewards, images, prompts, [{}] * len(images))["reward"]
@@ -51,7 +55,7 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def on_samples(score, per_prompt: int, seed: int = 0) -> dict:
+def on_samples(score, per_prompt: int, steps: int = 40, seed: int = 0) -> dict:
     metas = [m for tag in shapes.TAGS for m in shapes.split_prompts(tag, "test")]
     m = shapes_model.models.load(SHAPES_MODEL, device="cpu")
     detector, _ = detectors.load_models("shapes")
@@ -62,7 +66,7 @@ def on_samples(score, per_prompt: int, seed: int = 0) -> dict:
         emb = m.encode([meta["prompt"] for meta in batch], shapes_model.TEXT_LENGTH)
         g = torch.Generator().manual_seed(seed * 1_000_003 + b)
         x = torch.randn(len(batch), *m.latent_shape(shapes_model.RESOLUTION), generator=g)
-        images = [Image.fromarray(a) for a in shapes_model._ode_images(m, emb, x, 40, shapes_model.GUIDANCE)]
+        images = [Image.fromarray(a) for a in shapes_model.ode_images(m, emb, x, steps, shapes_model.GUIDANCE)]
         dets = detector(images)
         own = score(images, [meta["prompt"] for meta in batch])
         for meta, im, d, s in zip(batch, images, dets, own):
@@ -113,19 +117,21 @@ def main() -> None:
                 "train prompts, crisp": preference.pairwise_accuracy(score, "train", a.per_task)}
     result = {"model": a.model, "per_task": a.per_task, "rendered": rendered}
     if a.samples:
-        result["tiny_shapes_samples"] = on_samples(score, a.samples)
+        result["tiny_shapes_samples"] = {steps: on_samples(score, a.samples, steps) for steps in SAMPLE_STEPS}
     result["seconds"] = round(time.time() - t0, 1)
     md = ["# tiny-shapes-pickscore: quality on held-out prompts\n",
           f"`python bench/shapes/reward_quality.py --model {a.model} --per-task {a.per_task} --samples {a.samples}` "
           f"({result['seconds']} s).\n",
           table("Pairwise accuracy on rendered scenes (own caption > one-detail-wrong caption)", rendered)]
     if a.samples:
-        s = result["tiny_shapes_samples"]
-        md += ["", table(f"Pairwise accuracy on tiny-shapes samples the detector judges correct "
-                         f"({s['judged_correct']} of {s['samples']})", {"samples": s["pairwise"]}), "",
-               f"Spearman correlation with GenEval's dense score on all {s['samples']} samples: "
-               f"**{s['spearman_dense']:.3f}**; within a prompt (mean over {s['prompts_with_spread']} prompts "
-               f"whose samples differ): {s['spearman_dense_within_prompt']:.3f}."]
+        by_steps = result["tiny_shapes_samples"]
+        md += ["", table("Pairwise accuracy on tiny-shapes samples the detector judges correct",
+                         {f"{steps} ODE steps ({s['judged_correct']} of {s['samples']})": s["pairwise"]
+                          for steps, s in by_steps.items()}), ""]
+        for steps, s in by_steps.items():
+            md.append(f"- {steps} ODE steps: Spearman correlation with GenEval's dense score on all {s['samples']} "
+                      f"samples **{s['spearman_dense']:.3f}**; within a prompt (mean over {s['prompts_with_spread']} "
+                      f"prompts whose samples differ) {s['spearman_dense_within_prompt']:.3f}.")
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     (a.out / "RESULTS.md").write_text("\n".join(md) + "\n")

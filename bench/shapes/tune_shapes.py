@@ -3,6 +3,7 @@ train split, and the candidate settings run on it with several seeds.
 
     python bench/shapes/tune_shapes.py [--seeds 0 1] [--rounds 6] [--settings NAME ...] [--runs /tmp/tune/runs]
                                        [--out bench/shapes/tune] [--jobs 1] [--set KEY=VALUE ...] [--method flow-grpo|tp-grpo]
+                                       [--reward geneval|pickscore]
 
 1. Split. Per task, the train split's prompt groups (GenEval's order-free `prompt_key`, the same
    unit as the train/test rule in `tpkit.shapes.scenes`) are ordered by a salted SHA-256 of the key and the
@@ -15,7 +16,9 @@ train split, and the candidate settings run on it with several seeds.
    short holds every setting at its first seeds), --jobs of them side by side; --set adds overrides
    to every run (e.g. `rollout.dtype=float32` on a GPU); --method tp-grpo runs the settings on
    pipelines/shapes-tpgrpo.toml instead (for a setting meant for TP-GRPO's step rewards, such as
-   `soft`). Finished runs are kept: rerunning recomputes nothing it has.
+   `soft`); --reward pickscore runs the learned-reward recipes (pipelines/shapes-*-pickscore.toml) and
+   reads their held-out learned reward (GenEval accuracy beside). Finished runs are kept: rerunning
+   recomputes nothing it has.
 3. bench/shapes/tune/RESULTS.md: validation accuracy at every evaluated round per setting (mean and 95 %
    t-interval over seeds, per seed), the train reward of the last round, the ratio clip fraction.
 """
@@ -90,6 +93,10 @@ SETTINGS = {  # name -> --set overrides of the recipe (its own values: one optim
     # Is the flattening after ~6 Adam steps a ceiling of what this model can learn, or of the step? Half
     # the step for twice the rounds, with the reward that moved two_object (run with --rounds 12)
     "top-n-lr1.5e-3": ["rewards.geneval.top_n=true", "train.learning_rate=1.5e-3"],
+    # The learned reward (--reward pickscore) is continuous and smooth where GenEval's score is a staircase:
+    # does it take more, or larger, steps before held-out quality turns down?
+    "steps2": ["train.optimizer_steps=2"],
+    "lr6e-3": ["train.learning_rate=6e-3"],
 }
 # settings run for this many times --rounds
 METHODS = {"flow-grpo": "Flow-GRPO", "tp-grpo": "TP-GRPO"}
@@ -120,33 +127,42 @@ def split(n_fit: int = 80, n_val: int = 16, seed: int = 0) -> tuple[list[dict], 
     return fit, val
 
 
-def report(jobs: dict[str, list[cm.Job]], base: float, rounds: int, method: str = "flow-grpo") -> str:
+def report(jobs: dict[str, list[cm.Job]], base: dict, rounds: int, method: str = "flow-grpo", reward: str = "geneval") -> str:
     """Columns are the k-th evaluation of each run, "after N rounds" of --rounds: a setting with
     ROUNDS_FACTOR evaluates less often, so its k-th evaluation comes after as many samples."""
+    key, title = cm.METRICS[reward]
+    beside = ["geneval_overall"] if key != "geneval_overall" else []  # a learned reward: did accuracy follow?
     runs_of = {name: [cm.rounds_of(j)[:j.rounds or rounds] for j in js] for name, js in jobs.items()}
     at_rounds = [name for name in runs_of if name not in ROUNDS_FACTOR]
     if not at_rounds:
         sys.exit("tune_shapes: the columns come from a setting run for --rounds; add one, e.g. --settings recipe ...")
     evaluated = [i + 1 for i, r in enumerate(runs_of[at_rounds[0]][0]) if r.get("eval")]
     lines = ["# Choosing the shapes recipes' RL settings on a validation split", "",
-             f"Regenerate: `python {' '.join(sys.argv)}`. {METHODS[method]} recipe, rollout prompts = the fit part of the train "
+             f"Regenerate: `python {' '.join(sys.argv)}`. {METHODS[method]} recipe "
+             f"(`{cm.RECIPE_PAIRS[reward][method].relative_to(cm.ROOT).as_posix()}`), rollout prompts = the fit part of the train "
              "split, evaluation = its validation part (a third of the train split's prompt groups, never trained on; "
              "no test prompt is read). 96 prompts x 2 images, 40 ODE steps; 95 % t-intervals over seeds.", "",
-             f"Base model on validation: **{base:.3f}**."
+             f"Base model on validation: **{base[key]:.3f}** ({title.replace('held-out ', '')})"
+             + "".join(f", GenEval accuracy {base[k]:.3f}" for k in beside) + "."
              + (" A setting run for Nx the rounds is shown at its k-th evaluation, after as many trajectories as the"
                 " column's rounds of the recipe." if set(jobs) & set(ROUNDS_FACTOR) else ""), "",
              "| setting | overrides | " + " | ".join(f"after {n} rounds" for n in evaluated)
-             + f" | per seed (after {rounds}) | train reward, last round | clip fraction |",
-             "|" + " --- |" * (len(evaluated) + 5)]
+             + f" | per seed (after {rounds})" + "".join(f" | GenEval accuracy after {n}" for _ in beside for n in evaluated)
+             + " | train reward, last round | clip fraction |",
+             "|" + " --- |" * (len(evaluated) * (1 + len(beside)) + 5)]
     for name, rs in runs_of.items():
-        evals = [[r["eval"]["geneval_overall"] for r in run if r.get("eval")] for run in rs]
-        at = {n: [e[k] for e in evals] for k, n in enumerate(evaluated)}
+        def at_evals(metric: str) -> dict[int, list[float]]:
+            evals = [[r["eval"][metric] for r in run if r.get("eval")] for run in rs]
+            return {n: [e[k] for e in evals] for k, n in enumerate(evaluated)}
+
+        at, extra = at_evals(key), [at_evals(k) for k in beside]
         clip = np.mean([r["train"]["clipfrac"] for run in rs for r in run])
         longer = [f"{ROUNDS_FACTOR[name]}x the rounds"] if name in ROUNDS_FACTOR else []
         lines.append(f"| {name} | {', '.join(SETTINGS[name] + longer) or '(the recipe)'} | "
                      + " | ".join(cm.fmt(cm.mean_ci(at[n])) for n in evaluated)
-                     + f" | {' / '.join(f'{v:.3f}' for v in at[evaluated[-1]])} | "
-                     f"{cm.fmt(cm.mean_ci([run[-1]['reward_mean'] for run in rs]))} | {clip:.3f} |")
+                     + f" | {' / '.join(f'{v:.3f}' for v in at[evaluated[-1]])}"
+                     + "".join(f" | {cm.fmt(cm.mean_ci(e[n]))}" for e in extra for n in evaluated)
+                     + f" | {cm.fmt(cm.mean_ci([run[-1]['reward_mean'] for run in rs]))} | {clip:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -155,14 +171,19 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), help="which of SETTINGS")
-    p.add_argument("--runs", type=Path, default=cm.ROOT / "runs" / "tune", help="where the runs go (large)")
-    p.add_argument("--out", type=Path, default=cm.ROOT / "bench" / "shapes" / "tune", help="RESULTS.md")
+    p.add_argument("--runs", type=Path, help="where the runs go (large; default runs/tune[-pickscore])")
+    p.add_argument("--out", type=Path, help="RESULTS.md (default bench/shapes/tune[/pickscore])")
     p.add_argument("--jobs", type=int, default=1, help="runs side by side (each gets cores / jobs threads)")
     p.add_argument("--method", choices=list(METHODS), default="flow-grpo",
                    help="whose recipe the settings change (flow-grpo: the cheaper, used to choose the recipes' settings)")
+    p.add_argument("--reward", choices=list(cm.RECIPE_PAIRS), default="geneval",
+                   help="which recipe pair: the dense GenEval score, or the learned reward (pickscore)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="an override for every run (repeatable), e.g. rollout.dtype=float32")
     args = p.parse_args()
+    pick = args.reward != "geneval"
+    args.runs = args.runs or cm.ROOT / "runs" / ("tune-" + args.reward if pick else "tune")
+    args.out = args.out or cm.ROOT / "bench" / "shapes" / "tune" / (args.reward if pick else "")
 
     # 1. Split.
     cm.make_folders(args.runs, args.out)
@@ -174,17 +195,18 @@ def main() -> None:
     # 2. Runs, seed by seed.
     sets = [f"rollout.prompts={files['fit'].resolve()}", f"eval.prompts={files['val'].resolve()}", *args.sets]
     jobs = {name: [cm.Job(f"{name}-s{s}", args.method, s, sets + o, args.runs / f"{name}-s{s}",
-                          args.rounds * ROUNDS_FACTOR[name] if name in ROUNDS_FACTOR else None) for s in args.seeds]
+                          args.rounds * ROUNDS_FACTOR[name] if name in ROUNDS_FACTOR else None, args.reward)
+                   for s in args.seeds]
             for name, o in SETTINGS.items() if name in args.settings}
     by_seed = [js[i] for i in range(len(args.seeds)) for js in jobs.values()]
     cm.run_jobs([j for j in by_seed if not cm.finished(j, args.rounds)], args.rounds, args.jobs)
 
     # 3. Table.
-    base = cm.base_eval([j for js in jobs.values() for j in js]).get("geneval_overall")
-    if base is None:
+    base = cm.base_eval([j for js in jobs.values() for j in js])
+    if not base:
         sys.exit(f"tune_shapes: no run under {args.runs} holds its base-model evaluation (eval-base/manifest.json); "
                  "rerun into a fresh --runs folder")
-    text = report(jobs, base, args.rounds, args.method)
+    text = report(jobs, base, args.rounds, args.method, args.reward)
     old = (args.out / "RESULTS.md").read_text() if (args.out / "RESULTS.md").is_file() else ""
     if cm.READING in old:  # the hand-written reading survives a regeneration (check it against the new numbers)
         text += "\n" + old[old.index(cm.READING):]

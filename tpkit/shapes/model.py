@@ -637,7 +637,7 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
 # --------------------------------------------------------------------------------------------
 
 
-def _ode_images(m, emb: dict, x: torch.Tensor, steps: int, guidance: float) -> np.ndarray:
+def ode_images(m, emb: dict, x: torch.Tensor, steps: int, guidance: float) -> np.ndarray:
     """The evaluation sampler: `steps` Euler ODE steps with CFG from the noise x -> uint8 [B, H, W, 3]."""
     sigmas = m.sigmas(steps, RESOLUTION)
     with torch.no_grad():
@@ -671,7 +671,7 @@ def accuracies(model: str, metadata: list[dict], thresholds: tuple[float | None,
         emb = m.encode([meta["prompt"] for meta, _ in batch], text_length)
         g = torch.Generator().manual_seed(seed * 1_000_003 + b)
         x = torch.randn(len(batch), *m.latent_shape(RESOLUTION), generator=g)
-        images = [Image.fromarray(a) for a in _ode_images(m, emb, x, steps, guidance)]
+        images = [Image.fromarray(a) for a in ode_images(m, emb, x, steps, guidance)]
         for th, out in zip(thresholds, right):
             judged = detectors.detect_and_judge(images, [meta for meta, _ in batch], detector, colours, threshold=th)
             for (meta, _), jd in zip(batch, judged):
@@ -692,7 +692,7 @@ def sample_grid(model: str, prompts: list[str], seeds: list[int], path: Path, st
     emb = m.encode([p for p in prompts for _ in seeds], TEXT_LENGTH)
     x = torch.stack([torch.randn(m.latent_shape(RESOLUTION), generator=torch.Generator().manual_seed(s))
                      for _ in prompts for s in seeds])
-    images = _ode_images(m, emb, x, steps, guidance)
+    images = ode_images(m, emb, x, steps, guidance)
     cell, pad, label = RESOLUTION * scale, 4, 250
     grid = Image.new("RGB", (label + len(seeds) * (cell + pad), len(prompts) * (cell + pad)), (255, 255, 255))
     draw = ImageDraw.Draw(grid)

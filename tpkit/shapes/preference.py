@@ -74,7 +74,7 @@ class Arch:
 @dataclass
 class Recipe:
     seed: int = 0
-    steps: int = 3500  # about 30 minutes on 2 cores (one renders, one trains)
+    steps: int = 2500  # about 27 minutes on 2 cores (one renders, one trains), after the bank's 2
     pairs: int = 32  # scene pairs per batch (64 images)
     negatives: int = 8  # extra captions per image, each checked false for it (one-detail-wrong first)
     lr: float = 1e-3
@@ -84,17 +84,27 @@ class Recipe:
     noise: float = 0.06  # pixel noise std up to this (in [0, 1] units)
     jitter: float = 0.12  # per-channel gain 1 +- jitter, offset +- jitter / 2
     checkpoint_minutes: float = 2.0
+    sample_pairs: int = 12  # pairs of tiny-shapes samples of one prompt per batch, ranked by the dense score (0: none)
+    samples_per_prompt: int = 8  # the bank: tiny-shapes samples of each train prompt
+    sample_steps: int = 10  # ... drawn with this many ODE steps (the rollout's: what the reward judges in RL)
+    # The ranking term from this step on, at this weight: from the first step it has a text-free solution
+    # (every caption embedded alike, the image's quality alone ranks a pair), which kept the captions at chance.
+    rank_start: int = 800
+    rank_weight: float = 0.5
     arch: Arch = field(default_factory=Arch)
 
     def validate(self) -> "Recipe":
         """Every count and rate in range before any work; an InputError naming the option otherwise."""
-        for name in ("steps", "pairs", "negatives", "warmup"):
+        for name in ("steps", "pairs", "negatives", "warmup", "sample_pairs", "samples_per_prompt", "sample_steps", "rank_start"):
             value = getattr(self, name)
-            low = 0 if name == "warmup" else 1
+            low = 0 if name in ("warmup", "sample_pairs", "rank_start") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 flag = "--" + name.replace("_", "-")
                 raise InputError(f"{flag} {value!r} must be a whole number >= {low}", f"e.g. {flag} {getattr(Recipe, name)}")
-        for name in ("lr", "weight_decay", "blur", "noise", "jitter", "checkpoint_minutes"):
+        if self.sample_pairs and self.samples_per_prompt < 2:
+            raise InputError(f"--samples-per-prompt {self.samples_per_prompt}: ranking samples of one prompt needs at least 2",
+                             "e.g. --samples-per-prompt 8, or --sample-pairs 0 (rendered scenes only)")
+        for name in ("lr", "weight_decay", "blur", "noise", "jitter", "checkpoint_minutes", "rank_weight"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise InputError(f"{name} = {value!r} must be a finite number >= 0", f"e.g. {getattr(Recipe, name)}")
@@ -219,6 +229,103 @@ class Batch:
     pixels: torch.Tensor  # [2P, 3, SIZE, SIZE] in [-1, 1]; images 2i and 2i + 1 are a pair
     captions: list[str]  # [2P]: each image's own prompt
     candidates: list[list[str]]  # [2P][1 + negatives]: the own prompt first, then captions false for the image
+    ranked: torch.Tensor | None = None  # [2S, 3, SIZE, SIZE] in [-1, 1]: tiny-shapes samples, 2i better than 2i + 1
+    ranked_captions: list[str] = field(default_factory=list)  # [S]: the prompt both samples of pair i were drawn for
+
+
+# --------------------------------------------------------------------------------------------
+# The sample bank: the generator's own images, judged
+# --------------------------------------------------------------------------------------------
+
+BANK = "samples.npz"  # in the run folder, beside state.pt
+
+
+def train_prompts() -> list[dict]:
+    """Every train-split prompt, task by task (GenEval's order)."""
+    return [m for tag in shapes.TAGS for m in _prompts(tag, "train")]
+
+
+def sample_bank(path: Path, r: Recipe, metas: list[dict] | None = None, progress: bool = True,
+                batch_size: int = 64) -> Path:
+    """Draw r.samples_per_prompt tiny-shapes samples of every train prompt (or of `metas`) with the
+    rollout's sampler (ODE, r.sample_steps Euler steps, CFG; noise seeded by r.seed) and judge each with
+    GenEval's judge and the shapes detector. Writes `path` (npz, atomically): images uint8 [N, 64, 64, 3],
+    prompts [N] str, dense [N] float (GenEval's dense score), correct [N] bool."""
+    from rich.progress import Progress
+
+    from PIL import Image
+
+    from tpkit import models
+    from tpkit.geneval import detectors
+    from tpkit.models.names import SHAPES_MODEL
+    from tpkit.shapes import model as shapes_model
+
+    metas = train_prompts() if metas is None else metas
+    if any(shapes.is_test(m) for m in metas):  # the reward never reads a test prompt, not even as a sample's caption
+        raise ValueError("sample_bank: test-split prompt given")
+    jobs = [m for m in metas for _ in range(r.samples_per_prompt)]
+    m = models.load(SHAPES_MODEL, device="cpu")
+    detector, colours = detectors.load_models("shapes")
+    images, dense, correct = [], [], []
+    with Progress(console=console, disable=not progress) as bar:
+        task = bar.add_task("[bold]sample bank[/] (tiny-shapes samples of the train prompts, judged)", total=len(jobs))
+        for b in range(0, len(jobs), batch_size):
+            batch = jobs[b: b + batch_size]
+            emb = m.encode([meta["prompt"] for meta in batch], shapes_model.TEXT_LENGTH)
+            g = torch.Generator().manual_seed(r.seed * 1_000_003 + b)
+            x = torch.randn(len(batch), *m.latent_shape(shapes_model.RESOLUTION), generator=g)
+            arrays = shapes_model.ode_images(m, emb, x, r.sample_steps, shapes_model.GUIDANCE)
+            judged = detectors.detect_and_judge([Image.fromarray(a) for a in arrays], batch, detector, colours)
+            images.append(arrays)
+            dense += [j.score for j in judged]
+            correct += [bool(j.correct) for j in judged]
+            bar.update(task, advance=len(batch))
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, images=np.concatenate(images), prompts=np.array([meta["prompt"] for meta in jobs]),
+                        dense=np.array(dense, np.float64), correct=np.array(correct), settings=np.array(_bank_settings(r)))
+    os.replace(tmp, path)
+    return path
+
+
+def _bank_settings(r: Recipe) -> str:
+    """What a bank is drawn from (the generator is the shipped tiny-shapes)."""
+    return f"seed={r.seed} samples_per_prompt={r.samples_per_prompt} sample_steps={r.sample_steps}"
+
+
+def bank_settings(path: Path) -> str | None:
+    with np.load(path) as z:
+        return str(z["settings"]) if "settings" in z.files else None
+
+
+@lru_cache(maxsize=2)
+def _bank(path: str) -> dict:
+    """The bank, and per task the prompts whose samples' dense scores differ (the ones that make pairs)."""
+    with np.load(path) as z:
+        bank = {k: z[k] for k in z.files}
+    tag_of = {m["prompt"]: m["tag"] for m in train_prompts()}
+    groups: dict[str, list[np.ndarray]] = {}
+    for p in np.unique(bank["prompts"]):
+        idx = np.flatnonzero(bank["prompts"] == p)
+        if np.ptp(bank["dense"][idx]) > 0:
+            groups.setdefault(tag_of[str(p)], []).append(idx)
+    return {**bank, "groups": groups}
+
+
+def _ranked_pairs(rng: np.random.Generator, bank: dict, n: int) -> tuple[np.ndarray, list[str]]:
+    """n pairs (better, worse) of bank samples of one prompt with different dense scores: a task uniformly
+    (so that the few counting prompts count as much as the many colour-binding ones), then a prompt."""
+    tags = sorted(bank["groups"])
+    order, captions = [], []
+    for _ in range(n):
+        groups = bank["groups"][tags[int(rng.integers(len(tags)))]]
+        idx = groups[int(rng.integers(len(groups)))]
+        while True:
+            i, j = rng.choice(idx, 2, replace=False)
+            if bank["dense"][i] != bank["dense"][j]:
+                break
+        order += [i, j] if bank["dense"][i] > bank["dense"][j] else [j, i]
+        captions.append(str(bank["prompts"][i]))
+    return np.asarray(order), captions
 
 
 def _pair(rng: np.random.Generator, split: str, n_neg: int) -> tuple[list, list[str], list[list[str]]]:
@@ -255,28 +362,28 @@ def augment(images: np.ndarray, rng: np.random.Generator, r: Recipe) -> np.ndarr
     return np.stack(out)
 
 
-def batch_for(r: Recipe, step: int) -> Batch:
+def batch_for(r: Recipe, step: int, bank: str | None = None) -> Batch:
     """Step `step`'s batch: its own random stream (seed, step), so that a resumed run, or one whose batches
-    another process made, sees the very same data."""
-    return make_batch(np.random.default_rng([r.seed, step]), r)
+    another process made, sees the very same data. bank: the sample bank's path (r.sample_pairs > 0)."""
+    return make_batch(np.random.default_rng([r.seed, step]), r, bank=bank, step=step)
 
 
 class Prefetch:
     """Batches made `ahead` steps in advance by one worker process (the other core trains), or inline."""
 
-    def __init__(self, r: Recipe, start: int, workers: int, ahead: int = 3):
+    def __init__(self, r: Recipe, start: int, workers: int, ahead: int = 3, bank: str | None = None):
         import concurrent.futures as cf
         import multiprocessing
 
-        self.r, self.next, self.ahead, self.queue = r, start, ahead, {}
+        self.r, self.next, self.ahead, self.queue, self.bank = r, start, ahead, {}, bank
         self.pool = (cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
                      if workers > 0 else None)
 
     def get(self, step: int) -> Batch:
         if self.pool is None:
-            return batch_for(self.r, step)
+            return batch_for(self.r, step, self.bank)
         while self.next < min(step + self.ahead, self.r.steps) or self.next <= step:
-            self.queue[self.next] = self.pool.submit(batch_for, self.r, self.next)
+            self.queue[self.next] = self.pool.submit(batch_for, self.r, self.next, self.bank)
             self.next += 1
         return self.queue.pop(step).result()
 
@@ -287,16 +394,24 @@ class Prefetch:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def make_batch(rng: np.random.Generator, r: Recipe, split: str = "train") -> Batch:
+def _to_model(pixels: np.ndarray) -> torch.Tensor:
+    """[B, H, W, 3] in [0, 1] -> [B, 3, H, W] in [-1, 1] (the processor's normalisation)."""
+    return (torch.from_numpy(pixels).permute(0, 3, 1, 2).float() - 0.5) / 0.5
+
+
+def make_batch(rng: np.random.Generator, r: Recipe, split: str = "train", bank: str | None = None, step: int = 0) -> Batch:
     scenes_, captions, candidates = [], [], []
     for _ in range(r.pairs):
         s, c, k = _pair(rng, split, r.negatives)
         scenes_ += s
         captions += c
         candidates += k
-    pixels = augment(np.stack([shapes.render(s, SIZE) for s in scenes_]), rng, r)
-    x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float()
-    return Batch((x - 0.5) / 0.5, captions, candidates)
+    batch = Batch(_to_model(augment(np.stack([shapes.render(s, SIZE) for s in scenes_]), rng, r)), captions, candidates)
+    b = _bank(bank) if r.sample_pairs and bank is not None and step >= r.rank_start else None
+    if b is not None and b["groups"]:  # the generator's samples as they are: what the reward judges in RL
+        order, batch.ranked_captions = _ranked_pairs(rng, b, r.sample_pairs)
+        batch.ranked = _to_model(b["images"][order] / 255.0)
+    return batch
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,9 +429,10 @@ def embed(model, tok, pixels: torch.Tensor, texts: list[str]) -> tuple[torch.Ten
     return torch.nn.functional.normalize(img, dim=-1), torch.nn.functional.normalize(txt, dim=-1)
 
 
-def loss(model, tok, batch: Batch) -> tuple[torch.Tensor, dict]:
+def loss(model, tok, batch: Batch, rank_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
     """Cross-entropy of each image over its candidate captions (its own first) plus of each caption over
-    its pair's two images; logits = exp(logit_scale) * cos, as the reward scores."""
+    its pair's two images; logits = exp(logit_scale) * cos, as the reward scores. With ranked samples,
+    plus rank_weight * mean softplus(r(worse) - r(better)) (Bradley-Terry on the reward r of each pair)."""
     texts = sorted({c for cs in batch.candidates for c in cs})
     index = {t: i for i, t in enumerate(texts)}
     img, txt = embed(model, tok, batch.pixels, texts)
@@ -335,8 +451,15 @@ def loss(model, tok, batch: Batch) -> tuple[torch.Tensor, dict]:
     pair_logits = scale * torch.stack([(img[own] * txt[cap]).sum(-1), (img[other] * txt[cap]).sum(-1)], 1)
     l_txt = torch.nn.functional.cross_entropy(pair_logits, zero)
     acc = (logits.argmax(1) == 0).float().mean().item()
-    total = l_img + l_txt
-    return total, {"loss": total.item(), "caption_acc": acc, "scale": scale.item()}
+    total, info = l_img + l_txt, {}
+    if batch.ranked is not None:
+        # the better sample of each pair above the worse for their prompt: -log sigmoid(r(better) - r(worse))
+        ranked, cap_txt = embed(model, tok, batch.ranked, batch.ranked_captions)
+        r = scale * (ranked.view(len(cap_txt), 2, -1) * cap_txt[:, None, :]).sum(-1)  # [S, 2]
+        l_rank = torch.nn.functional.softplus(r[:, 1] - r[:, 0]).mean()
+        total = total + rank_weight * l_rank
+        info["rank_acc"] = (r[:, 0] > r[:, 1]).float().mean().item()
+    return total, {"loss": total.item(), "caption_acc": acc, **info, "scale": scale.item()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,12 +531,24 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
                     "history": history}, tmp)
         os.replace(tmp, state_path)
 
-    # 2. Steps, checkpointed every few minutes and when stopped.
-    t_start = last = time.monotonic()
+    # 2. The sample bank (drawn once; its minutes count towards --max-minutes).
+    t_start = time.monotonic()
+    bank = None
+    if r.sample_pairs:
+        bank_path = out / BANK
+        if bank_path.is_file() and bank_settings(bank_path) != _bank_settings(r):
+            raise InputError(f"{bank_path} holds samples of another recipe ({bank_settings(bank_path)})",
+                             "pass the same options, or a new --out")
+        if not bank_path.is_file():
+            sample_bank(bank_path, r, progress=progress)
+        bank = str(bank_path)
+
+    # 3. Steps, checkpointed every few minutes and when stopped.
+    last = time.monotonic()
     model.train()
     columns = (TextColumn("[bold]reward model"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
-    data = Prefetch(r, step, workers)
+    data = Prefetch(r, step, workers, bank=bank)
     threads = torch.get_num_threads()
     if workers:
         torch.set_num_threads(max(1, threads - workers))  # a core each: oversubscribed threads spin
@@ -430,22 +565,23 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
             batch = data.get(step)
             for g in opt.param_groups:
                 g["lr"] = lr_at(r, step)
-            value, info = loss(model, tok, batch)
+            value, info = loss(model, tok, batch, r.rank_weight)
             opt.zero_grad(set_to_none=True)
             value.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             step += 1
-            smooth = info if smooth is None else {k: 0.98 * smooth[k] + 0.02 * v for k, v in info.items()}
+            smooth = info if smooth is None else {k: 0.98 * smooth.get(k, v) + 0.02 * v for k, v in info.items()}
             if step % 50 == 0:
                 history.append({"step": step, **{k: round(v, 4) for k, v in smooth.items()}})
-            bar.update(task, completed=step, info=f"loss {smooth['loss']:.3f} caption acc {smooth['caption_acc']:.2f}")
+            bar.update(task, completed=step, info=f"loss {smooth['loss']:.3f} caption acc {smooth['caption_acc']:.2f}"
+                       + (f" rank acc {smooth['rank_acc']:.2f}" if "rank_acc" in smooth else ""))
             if time.monotonic() - last > 60 * r.checkpoint_minutes:
                 checkpoint()
                 last = time.monotonic()
     checkpoint()
 
-    # 3. The model, in the layout `from_pretrained` loads.
+    # 4. The model, in the layout `from_pretrained` loads.
     model.eval()
     _save_model(model, processor, model_dir)
     console.print(f"[green]done[/]: {model_dir} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters)")
