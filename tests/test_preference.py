@@ -159,7 +159,7 @@ shipped = pytest.mark.skipif(not (preference.weights_dir() / "model.safetensors"
 def test_the_shipped_model_judges_held_out_prompts():
     """Test-split prompts through the real reward path (fewer scenes than the bench's 200 a task, same
     seed): overall >= 0.88 and every GenEval task >= 0.65, crisp and blurred. The targets are 0.90 and
-    0.80; counting and position fall short of 0.80 (docs/testbed.md), so this guards what is reached."""
+    0.80; position falls short of 0.80 (docs/testbed.md), so this guards what is reached."""
     from tpkit.rewards.registry import load_rewards, score_images
 
     rewards = load_rewards({"pickscore": 1.0}, {"pickscore": {"model": SHAPES_PICKSCORE, "processor": SHAPES_PICKSCORE}})

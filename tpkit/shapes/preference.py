@@ -40,11 +40,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tpkit import layout
+from tpkit import layout, models
 from tpkit.errors import InputError
+from tpkit.geneval import detectors
 from tpkit.geneval import prompts as gp
-from tpkit.models.names import SHAPES_PICKSCORE
+from tpkit.models.names import SHAPES_MODEL, SHAPES_PICKSCORE
 from tpkit.rewards.clip import BUILTIN_MODELS
+from tpkit.shapes import model as shapes_model
 from tpkit.shapes import scenes as shapes
 from tpkit.shapes.model import caption_words, word_tokenizer
 from tpkit.ui import console
@@ -254,11 +256,6 @@ def sample_bank(path: Path, r: Recipe, metas: list[dict] | None = None, progress
     from rich.progress import Progress
 
     from PIL import Image
-
-    from tpkit import models
-    from tpkit.geneval import detectors
-    from tpkit.models.names import SHAPES_MODEL
-    from tpkit.shapes import model as shapes_model
 
     metas = train_prompts() if metas is None else metas
     if any(shapes.is_test(m) for m in metas):  # the reward never reads a test prompt, not even as a sample's caption
