@@ -452,3 +452,45 @@ def test_score_merges_the_policy_adapter_and_matches_it_unmerged(trained, two_pr
     emb = next(iter(layout.read_shard(layout.list_shards(tmp_path / "rollout")[0])[0].values())).embeds
     with torch.no_grad():
         assert (model.velocity(x, sigma, emb, 4.5) - plain.velocity(x, sigma, emb, 4.5)).abs().max() > 1e-4
+
+
+# --------------------------------------------------------------------------------------------
+# train.optimizer = adamw8bit (bitsandbytes, an optional extra)
+# --------------------------------------------------------------------------------------------
+
+
+def test_8bit_adamw_is_refused_without_bitsandbytes(tiny_run, tmp_path, monkeypatch):
+    """Before any work, one line naming the install (or the other optimizer); nothing written."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(ConfigError) as e:
+        train.run(train_cfg(tiny_run, tmp_path / "train", optimizer="adamw8bit"))
+    assert "pip install bitsandbytes" in str(e.value) and "optimizer = adamw" in str(e.value)
+    assert not (tmp_path / "train").exists()
+    with pytest.raises(ConfigError, match="optimizer"):
+        train_cfg(tiny_run, tmp_path / "t2", optimizer="sgd").validate()
+
+
+def test_moments_of_one_optimizer_are_not_loaded_into_the_other(trained, tiny_run, tmp_path):
+    """state/ records which optimizer wrote it; continuing with the other kind is refused (its state
+    would not convert), naming the setting to keep."""
+    assert json.loads((trained / train.STATE / "trainer.json").read_text())["optimizer"] == "adamw"
+    pytest.importorskip("bitsandbytes")  # the refusal needs the other kind to be constructible
+    with pytest.raises(Exception, match="optimizer = adamw"):
+        train.run(train_cfg(tiny_run, tmp_path / "train", ema=True, ema_every=1, optimizer="adamw8bit",
+                            init_lora=str(trained / train.ADAPTER)))
+
+
+def test_8bit_adamw_trains_and_continues(tiny_run, tmp_path):
+    """With bitsandbytes installed (`pip install 'tpkit[8bit]'`): the first ratio is still exactly 1,
+    the LoRA changes, and the next round continues its 8-bit moments."""
+    pytest.importorskip("bitsandbytes")
+    first, second = tmp_path / "r1", tmp_path / "r2"
+    train.run(train_cfg(tiny_run, first, optimizer="adamw8bit", beta=0.0))
+    assert metrics(first)[0]["ratio_mean"] == 1.0
+    assert json.loads((first / train.STATE / "trainer.json").read_text())["optimizer"] == "adamw8bit"
+    train.run(train_cfg(tiny_run, second, optimizer="adamw8bit", beta=0.0, init_lora=str(first / train.ADAPTER)))
+    assert differs(adapter(first / train.ADAPTER), adapter(second / train.ADAPTER))
+    assert [m["step"] for m in metrics(second)] == [3, 4]

@@ -171,6 +171,7 @@ def train(
     lora_rank: int = opt(TrainConfig, "lora_rank"),
     lora_alpha: int = opt(TrainConfig, "lora_alpha"),
     lora_target: Optional[List[str]] = opt(TrainConfig, "lora_targets", "--lora-target"),
+    optimizer: str = opt(TrainConfig, "optimizer"),
     learning_rate: float = opt(TrainConfig, "learning_rate"),
     adam_beta1: float = opt(TrainConfig, "adam_beta1"), adam_beta2: float = opt(TrainConfig, "adam_beta2"),
     adam_weight_decay: float = opt(TrainConfig, "adam_weight_decay"),
@@ -202,7 +203,7 @@ def train(
 
     cfg = TrainConfig(
         rollout=str(rollout_dir), advantages=str(advantages_dir), out=str(out), init_lora=_str(init_lora),
-        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=list(lora_target) if lora_target else None, learning_rate=learning_rate,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=list(lora_target) if lora_target else None, optimizer=optimizer, learning_rate=learning_rate,
         adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_weight_decay=adam_weight_decay, adam_epsilon=adam_epsilon,
         clip_range=clip_range, adv_clip=adv_clip, beta=beta, kl=kl, drop_zero_advantage=drop_zero_advantage,
         optimizer_steps=optimizer_steps, ema_every=ema_every,

@@ -7,6 +7,7 @@ text are declared here once (`doc`); the CLI's options take both from the field 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -25,6 +26,7 @@ BALANCE = ("all", "none")
 STD_MODES = ("group", "global")
 TRACKERS = ("none", "tensorboard", "wandb")  # --log-with (tpkit.tracking)
 PRECISIONS = ("no", "fp16", "bf16")
+OPTIMIZERS = ("adamw", "adamw8bit")  # torch's AdamW; bitsandbytes' 8-bit AdamW (an optional extra)
 KL_MODES = ("release", "exact")
 
 
@@ -361,6 +363,8 @@ class TrainConfig:
         None, "Modules to adapt (repeatable; default: the model family's, as the release: SD3's joint-attention "
               "projections, FLUX's attention and double-block feed-forward layers; SD3.5's second attention "
               "(attn2.to_q ...) and FLUX's single-block proj_mlp/proj_out are opt-in).")
+    optimizer: str = doc("adamw", "adamw (torch), or adamw8bit: bitsandbytes' AdamW with 8-bit moments (about a quarter "
+                                  "of the optimizer state's memory; `pip install bitsandbytes`).")
     learning_rate: float = doc(3e-4, "AdamW learning rate.")
     adam_beta1: float = doc(0.9, "AdamW beta1.")
     adam_beta2: float = doc(0.999, "AdamW beta2.")
@@ -398,6 +402,10 @@ class TrainConfig:
         _choice("mixed_precision", self.mixed_precision, PRECISIONS)
         _choice("kl", self.kl, KL_MODES)
         _choice("log_with", self.log_with, TRACKERS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        if self.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError("optimizer = adamw8bit needs bitsandbytes, which is not installed",
+                              "pip install bitsandbytes (or pip install 'tpkit[8bit]'), or use optimizer = adamw")
         for name in ("ema_every", "lora_rank", "lora_alpha", "learning_rate", "optimizer_steps", "max_grad_norm", "adv_clip",
                      "clip_range", "max_bad_steps"):
             _positive(name, getattr(self, name))

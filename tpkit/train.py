@@ -256,6 +256,7 @@ class TrainState:
     lora_config: Any
     params: list  # the trainable (LoRA) parameters
     optimizer: Any  # AdamW as accelerate prepared it
+    optimizer_kind: str  # TrainConfig.optimizer, saved beside its state (the kinds' states do not convert)
     ema: dict | None  # float32 EMA of the LoRA weights (None without --ema)
     embeds: dict  # prompt embeddings by prompt_id, on the device
     settings: dict  # the rollout's sampler settings (sampler, noise_level, sigma_1, guidance)
@@ -324,14 +325,14 @@ def _setup(cfg: TrainConfig, rollout: dict, embeds: dict, meta: dict, on_cpu: bo
     ema = _load_ema(state_in, model.transformer) if cfg.ema else None
     metrics, bad_in_row, steps_done = [], 0, 0
     if resume:  # a killed run of this stage: continue after its last finished optimizer step
-        ema = _restore_checkpoint(out / CHECKPOINT, model.transformer, optimizer, cfg.ema)
+        ema = _restore_checkpoint(out / CHECKPOINT, model.transformer, optimizer, cfg.optimizer, cfg.ema)
         metrics, bad_in_row, steps_done = resume["metrics"], resume["bad_in_row"], resume["steps_done"]
         global_step, round_start = resume["global_step"], resume["round_start"]
     transformer, optimizer = accelerator.prepare(model.transformer, optimizer)
     device = accelerator.device
     return TrainState(
         accelerator=accelerator, model=model, transformer=transformer, lora_config=lora_config, params=params,
-        optimizer=optimizer, ema=ema, embeds={pid: {k: v.to(device) for k, v in e.items()} for pid, e in embeds.items()},
+        optimizer=optimizer, optimizer_kind=cfg.optimizer, ema=ema, embeds={pid: {k: v.to(device) for k, v in e.items()} for pid, e in embeds.items()},
         settings=dict(sampler=meta["sampler"], noise_level=meta["noise_level"], sigma_1=meta["sigmas"][1],
                       guidance=meta["guidance"]),
         global_step=global_step, round_start=round_start, metrics=metrics, bad_in_row=bad_in_row, steps_done=steps_done)
@@ -352,16 +353,32 @@ def _load_model(cfg: TrainConfig, rollout: dict, device: str, init_lora: str | N
     return model, lora_config
 
 
-def _adamw(cfg: TrainConfig, params: list, state_in: Path | None) -> torch.optim.AdamW:
-    """AdamW over the LoRA parameters, with the previous round's moments when it saved them."""
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
+def _adamw(cfg: TrainConfig, params: list, state_in: Path | None) -> torch.optim.Optimizer:
+    """AdamW (torch's, or bitsandbytes' with 8-bit moments) over the trained parameters, with the previous
+    round's moments when it saved them (by the same optimizer: the two kinds' states do not convert)."""
+    settings = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.adam_weight_decay,
+                    eps=cfg.adam_epsilon)
+    if cfg.optimizer == "adamw8bit":
+        import bitsandbytes  # validated as installed by TrainConfig
+
+        optimizer = bitsandbytes.optim.AdamW8bit(params, **settings)
+    else:
+        optimizer = torch.optim.AdamW(params, **settings)
     if state_in and (state_in / "optimizer.pt").is_file():
-        optimizer.load_state_dict(torch.load(state_in / "optimizer.pt", map_location="cpu", weights_only=True))
+        _load_optimizer(state_in, optimizer, cfg.optimizer)
         for group in optimizer.param_groups:  # the moments continue; the settings are this config's, not the saved ones
-            group.update(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                         weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
+            group.update(settings)
     return optimizer
+
+
+def _load_optimizer(folder: Path, optimizer, kind: str) -> None:
+    """Load folder/optimizer.pt, saved by an optimizer of the same kind (trainer.json says which; states
+    saved before it did are torch's AdamW)."""
+    saved = json.loads((folder / "trainer.json").read_text()).get("optimizer", "adamw") if (folder / "trainer.json").is_file() else "adamw"
+    if saved != kind:
+        raise TrainError(f"{folder} holds the moments of optimizer = {saved}; this round uses {kind}",
+                         f"keep train.optimizer = {saved} for this run, or start a new one (no --init-lora)")
+    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
 
 
 def _train(st: TrainState, cfg: TrainConfig, steps: list[list[MicroBatch]], computed: list[list[MicroBatch]],
@@ -444,7 +461,7 @@ def _checkpoint_step(st: TrainState, out: Path, steps_done: int, phases: Phases)
     """A mid-round checkpoint after `steps_done` optimizer steps of this round (written by the main process)."""
     with phases("checkpoint"):
         if st.accelerator.is_main_process:
-            _write_checkpoint(out / CHECKPOINT, st.accelerator.unwrap_model(st.transformer), st.optimizer, st.ema, {
+            _write_checkpoint(out / CHECKPOINT, st.accelerator.unwrap_model(st.transformer), st.optimizer, st.optimizer_kind, st.ema, {
                 "steps_done": steps_done, "global_step": st.global_step, "round_start": st.round_start,
                 "metrics": st.metrics, "bad_in_row": st.bad_in_row})
         st.accelerator.wait_for_everyone()
@@ -503,7 +520,7 @@ def _save_outputs(st: TrainState, out: Path) -> None:
         st.model.save_lora(st.ema, st.lora_config, out / ADAPTER)
     else:
         st.model.save_lora(unwrapped, st.lora_config, out / ADAPTER)
-    _save_state(out / STATE, st.optimizer, st.ema, st.global_step)
+    _save_state(out / STATE, st.optimizer, st.optimizer_kind, st.ema, st.global_step)
     layout.atomic_write(out / layout.METRICS_FILE, "".join(json.dumps(m) + "\n" for m in st.metrics).encode())
 
 
@@ -575,8 +592,8 @@ def _update_ema(ema: dict, transformer, decay: float) -> None:
         ema[k].mul_(decay).add_(v.detach().float().cpu(), alpha=1 - decay)
 
 
-def _save_state(folder: Path, optimizer, ema: dict | None, global_step: int) -> None:
-    """Optimizer (torch.save of plain tensors, read back with weights_only=True), EMA, step."""
+def _save_state(folder: Path, optimizer, kind: str, ema: dict | None, global_step: int) -> None:
+    """Optimizer (torch.save of plain tensors, read back with weights_only=True) and its kind, EMA, step."""
     import io
 
     from safetensors.torch import save
@@ -586,13 +603,13 @@ def _save_state(folder: Path, optimizer, ema: dict | None, global_step: int) -> 
     layout.atomic_write(folder / "optimizer.pt", buf.getvalue())
     if ema is not None:
         layout.atomic_write(folder / "ema.safetensors", save({k: v.contiguous() for k, v in ema.items()}))
-    layout.atomic_write_json(folder / "trainer.json", {"global_step": global_step})
+    layout.atomic_write_json(folder / "trainer.json", {"global_step": global_step, "optimizer": kind})
 
 
 # ---- mid-round checkpoints: a killed train resumes after its last finished optimizer step -----
 
 
-def _write_checkpoint(folder: Path, transformer, optimizer, ema: dict | None, progress: dict) -> None:
+def _write_checkpoint(folder: Path, transformer, optimizer, kind: str, ema: dict | None, progress: dict) -> None:
     """LoRA weights, optimizer, EMA and progress, swapped in as a whole folder (never half-written)."""
     from safetensors.torch import save
 
@@ -600,7 +617,7 @@ def _write_checkpoint(folder: Path, transformer, optimizer, ema: dict | None, pr
     shutil.rmtree(tmp, ignore_errors=True)
     state = {k: v.detach().float().cpu().contiguous() for k, v in lora_state(transformer).items()}
     layout.atomic_write(tmp / "lora.safetensors", save(state))
-    _save_state(tmp, optimizer, ema, progress["global_step"])
+    _save_state(tmp, optimizer, kind, ema, progress["global_step"])
     layout.atomic_write_json(tmp / "progress.json", progress)
     old = folder.with_name(f".{folder.name}.old")
     shutil.rmtree(old, ignore_errors=True)
@@ -620,10 +637,10 @@ def _read_checkpoint(out: Path) -> dict | None:
     return json.loads((out / CHECKPOINT / "progress.json").read_text())
 
 
-def _restore_checkpoint(folder: Path, transformer, optimizer, with_ema: bool) -> dict | None:
+def _restore_checkpoint(folder: Path, transformer, optimizer, kind: str, with_ema: bool) -> dict | None:
     from peft.utils import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     set_peft_model_state_dict(transformer, load_file(folder / "lora.safetensors"), adapter_name="default")
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
+    _load_optimizer(folder, optimizer, kind)
     return load_file(folder / "ema.safetensors") if with_ema and (folder / "ema.safetensors").is_file() else None
