@@ -30,5 +30,9 @@ class ModelError(TpkitError):
     """A model (or reward model) that cannot be found or loaded."""
 
 
+class OutOfMemory(TpkitError):
+    """The accelerator ran out of memory: the message names the batch-size options that set the peak."""
+
+
 class RewardError(TpkitError):
     """A reward that is unknown, fails, or returns unusable values (NaN, wrong length)."""

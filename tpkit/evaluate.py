@@ -174,7 +174,8 @@ def _run(cfg: EvalConfig, ident: dict, prompts: list[layout.Prompt], folders: li
                                 lora=cfg.lora, reuse=True, fuse_lora=True)
         for i in mine:
             _write_metadata(prompt_dir(out, i), prompts[i].metadata)
-        with track(len(mine), f"eval: generate ({cfg.images_per_prompt} images per prompt)") as advance:
+        with track(len(mine), f"eval: generate ({cfg.images_per_prompt} images per prompt)") as advance, \
+                runtime.memory_options("eval", ("eval.batch_size", cfg.batch_size)):
             for c in batches:
                 generate(model, prompts, c, cfg, out, phases)
                 advance(sum(map(unfinished, c)))

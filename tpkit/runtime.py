@@ -6,14 +6,15 @@ torch is imported inside the functions that use it: `tpkit doctor` imports this 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from tpkit.errors import ModelError
+from tpkit.errors import ModelError, OutOfMemory
 
 if TYPE_CHECKING:
     import torch
@@ -90,6 +91,22 @@ def set_cpu_threads() -> int:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
+
+
+@contextlib.contextmanager
+def memory_options(stage: str, *options: tuple[str, int], also: str = "") -> Iterator[None]:
+    """Turn torch's out-of-memory error inside a stage into one line that names the options setting the
+    peak, with half their value to try (`options`: (recipe key, value)), and `also` (another remedy).
+    Nothing is retried with smaller batches behind the user's back: the work already written is kept, and
+    a rerun with the lowered option continues it."""
+    import torch
+
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        tried = " or ".join(f"{key} = {value} (e.g. {max(value // 2, 1)})" for key, value in options)
+        raise OutOfMemory(f"{stage} ran out of accelerator memory: {str(e).splitlines()[0][:120]}",
+                          f"lower {tried}{also}; finished work is kept, rerun to continue") from None
 
 
 def pick_device(device: str = "auto") -> torch.device:

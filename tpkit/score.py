@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tpkit import formulas, layout, models
+from tpkit import formulas, layout, models, runtime
 from tpkit.config import ScoreConfig, to_dict
 from tpkit.errors import InputError, RewardError
 from tpkit.layout import PromptRecord, TrajectoryRecord
@@ -304,7 +304,8 @@ def _run(cfg: ScoreConfig, rewards: list[Reward], rollout: dict, shards: list[Pa
         total = per_traj * layout.sum_stats(todo).get("counts", {}).get("trajectories", 0)
         try:
             # 4. Per shard: complete branches, decode, score; write Parquet + stats atomically.
-            with track(total, "score branches") as advance:
+            with track(total, "score branches") as advance, runtime.memory_options(
+                    "score", ("score.batch_size", cfg.batch_size), ("score.decode_batch_size", cfg.decode_batch_size)):
                 for shard in todo:
                     counts_before, seconds_before = vars(scorer.counters).copy(), dict(scorer.phases.seconds)
                     with scorer.phases("read"):

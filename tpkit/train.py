@@ -280,7 +280,9 @@ def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict
     # 3. Optimizer steps: each accumulates its share of micro-batches, then clips and steps.
     steps = plan_steps(batches, cfg, st.round_start) if not no_op else []
     computed = [[b for b in s if b.has_gradient(cfg.beta)] for s in steps]
-    _train(st, cfg, steps, computed, phases)
+    with runtime.memory_options("train", ("train.micro_batch_size", cfg.micro_batch_size or rollout["config"]["batch_size"]),
+                                also="" if cfg.gradient_checkpointing else ", or set train.gradient_checkpointing = true"):
+        _train(st, cfg, steps, computed, phases)
 
     # 4. A round whose every optimizer step was non-finite learned nothing: an error, not "done".
     _check_learned(st, cfg)
