@@ -24,7 +24,7 @@ from PIL import Image
 
 from tpkit import formulas, layout, rollout, score
 from tpkit.config import RolloutConfig, ScoreConfig, parse_reward_specs
-from tpkit.errors import RewardError
+from tpkit.errors import ConfigError, RewardError
 from tpkit.rewards.registry import BUILTIN, component_column
 
 T, K, PROMPTS, GROUP = 10, 9, 2, 4
@@ -450,6 +450,77 @@ def test_branch_steps_caps_calls_and_is_exact_when_large(tiny_run, tmp_path):
     same = table(tmp_path / "cap10").sort_by([("trajectory_id", "ascending"), ("branch", "ascending")])
     assert m["counts"]["transformer_calls"] == 8 * 45
     assert same["reward"].to_pylist() == exact["reward"].to_pylist()
+
+
+def test_heun_branches_cost_what_formulas_say(tiny_run, tmp_path):
+    """--branch-solver heun --branch-steps N: the calls of formulas.branch_calls, recorded in the manifest
+    (solver, steps, calls per trajectory); R_K, the rollout's own image, untouched; not Euler's numbers."""
+    def table(folder):
+        return layout.read_parquet_tables(folder, "score").sort_by([("trajectory_id", "ascending"), ("branch", "ascending")])
+
+    exact = table(tiny_run / "score")
+    for steps in (3, 10):
+        out = tmp_path / f"heun{steps}"
+        m = score.run(ScoreConfig(rollout=str(tiny_run / "rollout"), out=str(out), branch_steps=steps, branch_solver="heun"))
+        assert m["counts"]["transformer_calls"] == 8 * formulas.branch_calls(10, 0, 9, steps, "heun")
+        assert m["per_trajectory"]["transformer_calls"] == formulas.branch_calls(10, 0, 9, steps, "heun")
+        assert m["config"]["branch_solver"] == "heun" and m["config"]["branch_steps"] == steps
+        heun = table(out)
+        last = np.asarray(heun["branch"].to_pylist()) == 9
+        assert np.array_equal(np.asarray(heun["reward"].to_pylist())[last], np.asarray(exact["reward"].to_pylist())[last])
+        assert heun["reward"].to_pylist() != exact["reward"].to_pylist()
+
+
+def test_heun_branches_integrate_a_known_flow(monkeypatch):
+    """The batched branch machine against the closed form: with v(x, sigma) = -x every Euler step
+    multiplies x by (1 - dt) and every Heun step by (1 - dt + dt^2 / 2) (dt = sigma' - sigma < 0). Branches
+    of different lengths share batches of 3, so Heun's two calls a step interleave across branches."""
+    from concurrent.futures import Future
+
+    from tpkit.layout import PromptRecord, TrajectoryRecord
+
+    class Flow:  # dx/dsigma = -x
+        device = torch.device("cpu")
+
+        def velocity(self, x, sigma, embeds, guidance):
+            return -x
+
+        def decode(self, x):
+            return list(x)
+
+    sigmas = [1.0, 0.8, 0.55, 0.3, 0.1, 0.0]
+    K = 4
+    torch.manual_seed(0)
+    states = torch.randn(K + 1, 2, 2, 2)
+    meta = {"sigmas": sigmas, "window_start": 0, "window_size": K, "guidance": 1.0, "prompt_id": "p", "prompt": "x"}
+    traj = TrajectoryRecord(meta, {"states": states, "velocities": -states[:K]}, b"")
+    prompts = {"p": PromptRecord("p", "x", {}, {"prompt_embeds": torch.zeros(1, 1)})}
+    for solver, steps in (("euler", 0), ("euler", 2), ("heun", 2), ("heun", 5)):
+        cfg = ScoreConfig(batch_size=3, decode_batch_size=1, reward_workers=0, branch_steps=steps, branch_solver=solver)
+        scorer = score.BranchScorer(Flow(), [], cfg)
+        got = {}
+
+        def keep(keys, images, trajs, prompts_):
+            got.update(dict(zip(keys, images)))
+            done = Future()
+            done.set_result((keys, {}))
+            return done
+
+        monkeypatch.setattr(scorer, "_score_async", keep)
+        scorer._complete(prompts, [traj], lambda n: None)
+        for k in range(K):
+            sched = formulas.branch_schedule(sigmas, k, steps)
+            factor = 1.0
+            for s0, s1 in zip(sched, sched[1:]):
+                dt = s1 - s0
+                factor *= (1 - dt + dt * dt / 2) if solver == "heun" else (1 - dt)
+            torch.testing.assert_close(got[0, k], states[k] * factor, rtol=1e-5, atol=1e-6)
+        assert scorer.counters.transformer_calls == formulas.branch_calls(5, 0, K, steps, solver)
+
+
+def test_heun_needs_a_step_budget(tiny_run, tmp_path):
+    with pytest.raises(ConfigError, match="branch-steps"):
+        ScoreConfig(rollout=str(tiny_run / "rollout"), out=str(tmp_path / "h"), branch_solver="heun").validate()
 
 
 @pytest.mark.parametrize("env, expected", [({}, True), ({"TPKIT_CPU_MALLOC": "0"}, False),

@@ -117,6 +117,7 @@ def score(
     decode_batch_size: int = opt(ScoreConfig, "decode_batch_size"),
     reward_workers: int = opt(ScoreConfig, "reward_workers"),
     branch_steps: int = opt(ScoreConfig, "branch_steps"),
+    branch_solver: str = opt(ScoreConfig, "branch_solver"),
     on_nan: str = opt(ScoreConfig, "on_nan"),
     overwrite: bool = opt(ScoreConfig, "overwrite"),
     device: str = opt(ScoreConfig, "device"), dtype: str = opt(ScoreConfig, "dtype"),
@@ -130,7 +131,7 @@ def score(
     cfg = ScoreConfig(rollout=str(rollout_dir), out=str(out), rewards=parse_reward_specs(reward),
                       reward_options=parse_reward_options(reward_opt), branches=branches,
                       batch_size=batch_size, decode_batch_size=decode_batch_size, reward_workers=reward_workers,
-                      branch_steps=branch_steps, on_nan=on_nan, overwrite=overwrite, device=device, dtype=dtype,
+                      branch_steps=branch_steps, branch_solver=branch_solver, on_nan=on_nan, overwrite=overwrite, device=device, dtype=dtype,
                       rank=rank, world_size=world_size)
     manifest = stage.run(cfg)
 

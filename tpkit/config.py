@@ -26,6 +26,7 @@ BALANCE = ("all", "none")
 STD_MODES = ("group", "global")
 TRACKERS = ("none", "tensorboard", "wandb")  # --log-with (tpkit.tracking)
 PRECISIONS = ("no", "fp16", "bf16")
+BRANCH_SOLVERS = ("euler", "heun")  # score.branch_solver: formulas.ode_step, formulas.heun_step
 OPTIMIZERS = ("adamw", "adamw8bit")  # torch's AdamW; bitsandbytes' 8-bit AdamW (an optional extra)
 KL_MODES = ("release", "exact")
 
@@ -216,6 +217,8 @@ class ScoreConfig:
     decode_batch_size: int = doc(8, "Images per VAE decode and reward call.")
     reward_workers: int = doc(1, "Threads scoring images while the transformer runs (0: inline).")
     branch_steps: int = doc(0, "0: exact branches; N: at most N ODE steps per branch (faster, approximate).")
+    branch_solver: str = doc("euler", "euler: the rollout's own ODE steps (exact with branch_steps 0); heun: second "
+                                      "order, two calls a step, for --branch-steps N (formulas.heun_step).")
     on_nan: str = doc("stop", "A NaN/infinite reward: stop (list the trajectories) or drop them.")
     overwrite: bool = doc(False, _OVERWRITE)
     dtype: str = doc("auto", _DTYPE)
@@ -233,6 +236,11 @@ class ScoreConfig:
             _positive(name, getattr(self, name))
         _positive("reward_workers", self.reward_workers, allow_zero=True)
         _positive("branch_steps", self.branch_steps, allow_zero=True)
+        _choice("branch_solver", self.branch_solver, BRANCH_SOLVERS)
+        if self.branch_solver != "euler" and not self.branch_steps:  # R_k is defined by the sampler's own Euler steps
+            raise ConfigError(f"branch_solver = {self.branch_solver} needs branch_steps: on the full schedule it costs "
+                              "more calls than the exact Euler branches that define R_k",
+                              "add --branch-steps N (fewer steps than the rollout's), or keep branch_solver = euler")
         self.rank, self.world_size = resolve_rank(self.rank, self.world_size)
         return self
 

@@ -175,14 +175,28 @@ def branch_schedule(sigmas: list[float], j: int, max_steps: int = 0) -> list[flo
     return [rest[i] for i in idx]
 
 
-def branch_calls(steps: int, start: int, window_size: int, max_steps: int = 0) -> int:
+def heun_step(x: torch.Tensor, v: torch.Tensor, v_pred: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
+    """Heun (trapezoidal) step of the flow ODE: x' = x + (v + v_pred) / 2 * (sigma_{j+1} - sigma_j), where
+    v = v(x, sigma_j) and v_pred = v(x_e, sigma_{j+1}) at the Euler predictor x_e = ode_step(x, v, ...).
+
+    Second order: its local error is O(dt^3) against Euler's O(dt^2), for two velocity calls a step.
+    x, v, v_pred: [B, C, h, w]; sigma, sigma_next: scalars or [B]. Returns float32.
+    """
+    x, v, v_pred = x.float(), v.float(), v_pred.float()
+    return x + (v + v_pred) * 0.5 * (_per_sample(sigma_next, x) - _per_sample(sigma, x))
+
+
+CALLS_PER_STEP = {"euler": 1, "heun": 2}  # velocity calls a step of each branch solver (config.BRANCH_SOLVERS)
+
+
+def branch_calls(steps: int, start: int, window_size: int, max_steps: int = 0, solver: str = "euler") -> int:
     """Transformer calls to complete branches k = 0..K-1 by ODE, reusing the rollout's v(s_k).
 
-    Branch k runs from step a + k to T: T - a - k calls, the first of which the rollout already
-    made. sum_{k=0}^{K-1} (T - a - k - 1); T = 10, a = 0, K = 9 gives 45. With max_steps = N,
-    branch k costs min(T - a - k, N) - 1.
+    Branch k runs from step a + k to T: n_k = T - a - k steps (min(n_k, N) with max_steps = N), each one
+    velocity call with Euler and two with Heun, the first of which the rollout already made: Euler
+    n_k - 1, Heun 2 n_k - 1. Euler: sum_{k=0}^{K-1} (T - a - k - 1); T = 10, a = 0, K = 9 gives 45.
     """
-    return sum(min(steps - start - k, max_steps or steps) - 1 for k in range(window_size))
+    return sum(CALLS_PER_STEP[solver] * min(steps - start - k, max_steps or steps) - 1 for k in range(window_size))
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ shard and never recomputed. Branches of all trajectories and states of a shard s
 batches (per-sample timesteps, longest branches first, continuous refill as branches finish), and
 each branch's first step reuses the rollout's velocity v(s_k), so a trajectory costs
 sum_k (T - a - k - 1) calls here (45 for T = 10, K = 9); `--branch-steps N` caps each branch at N
-steps of a coarser schedule. Decoded images are scored on a worker thread while the transformer
+steps of a coarser schedule, with Euler steps or (`--branch-solver heun`) second-order Heun steps. Decoded images are scored on a worker thread while the transformer
 runs. A policy LoRA is merged into the weights here (score's numbers need not match train's).
 """
 
@@ -40,13 +40,22 @@ SHARED_SETTINGS = ("model", "family", "lora", "sampler", "noise_level", "guidanc
 class Branch:
     traj: int  # index into the shard's trajectories
     k: int  # window state s_k it starts from
-    x: torch.Tensor  # current latent [C, h, w], on the model's device
+    x: torch.Tensor  # the latent the next velocity call is made at [C, h, w], on the model's device
     sigmas: list[float]  # the branch's own schedule, from sigma_{a+k} down to 0
-    p: int  # position in it: x is at sigmas[p]
+    p: int  # position in it: the current step goes from sigmas[p] to sigmas[p + 1]
+    calls_per_step: int = 1  # Euler 1; Heun 2 (a call at x_p, then one at the Euler predictor)
+    x0: torch.Tensor | None = None  # Heun, mid-step: the step's start x_p (x is then its Euler predictor)
+    v0: torch.Tensor | None = None  # Heun, mid-step: v(x_p, sigmas[p])
+
+    @property
+    def sigma(self) -> float:
+        """The noise level of the next velocity call: sigmas[p], or sigmas[p + 1] at Heun's predictor."""
+        return self.sigmas[self.p + (self.x0 is not None)]
 
     @property
     def remaining(self) -> int:
-        return len(self.sigmas) - 1 - self.p
+        """Velocity calls still to make."""
+        return self.calls_per_step * (len(self.sigmas) - 1 - self.p) - (self.x0 is not None)
 
     @property
     def done(self) -> bool:
@@ -129,15 +138,21 @@ class BranchScorer:
         emb = {k: torch.cat([prompts[p].embeds[k] for p in pids]).to(model.device) for k in prompts[pids[0]].embeds}
         prompt_row = torch.tensor([pids.index(t.meta["prompt_id"]) for t in trajs])
 
-        # First step of branch k reuses v(s_k) from the rollout: no transformer call. Its schedule is
-        # the rest of the rollout's (exact), or at most branch_steps steps of it (--branch-steps).
+        # First step of branch k reuses v(s_k) from the rollout: no transformer call (Heun: it is the
+        # step's first velocity, and x its Euler predictor). Its schedule is the rest of the rollout's
+        # (exact), or at most branch_steps steps of it (--branch-steps).
+        heun = cfg.branch_solver == "heun"
         branches: list[Branch] = []
         for n, t in enumerate(trajs):
             for k in range(K):
                 sched = formulas.branch_schedule(sigmas, a + k, cfg.branch_steps)
-                x = formulas.ode_step(t.tensors["states"][k: k + 1].to(model.device),
-                                      t.tensors["velocities"][k: k + 1].to(model.device), sched[0], sched[1])[0]
-                branches.append(Branch(n, k, x, sched, 1))
+                s_k = t.tensors["states"][k: k + 1].to(model.device)
+                v_k = t.tensors["velocities"][k: k + 1].to(model.device)
+                x = formulas.ode_step(s_k, v_k, sched[0], sched[1])[0]
+                if heun:
+                    branches.append(Branch(n, k, x, sched, 0, 2, s_k[0].float(), v_k[0].float()))
+                else:
+                    branches.append(Branch(n, k, x, sched, 1))
         # Longest first: the short branches left at the end drain the queue in full batches (for
         # T = 10, K = 9 and 16 trajectories at batch 32: 23 transformer batches, the minimum, not 27).
         pending = deque(sorted(branches, key=lambda b: b.remaining, reverse=True))
@@ -163,19 +178,36 @@ class BranchScorer:
             if active:
                 with self.phases("transformer"), torch.no_grad():
                     x = torch.stack([b.x for b in active])
-                    sig = torch.tensor([b.sigmas[b.p] for b in active])
-                    sig_next = torch.tensor([b.sigmas[b.p + 1] for b in active])
                     rows = prompt_row[[b.traj for b in active]].to(model.device)
-                    v = model.velocity(x, sig, {k: e[rows] for k, e in emb.items()}, w)
-                    x_next = formulas.ode_step(x, v, sig.to(x.device), sig_next.to(x.device))
+                    v = model.velocity(x, torch.tensor([b.sigma for b in active]), {k: e[rows] for k, e in emb.items()}, w)
+                    if heun:
+                        _heun_advance(active, v)
+                    else:
+                        sig = torch.tensor([b.sigmas[b.p] for b in active]).to(x.device)
+                        sig_next = torch.tensor([b.sigmas[b.p + 1] for b in active]).to(x.device)
+                        for b, xn in zip(active, formulas.ode_step(x, v, sig, sig_next)):
+                            b.x, b.p = xn, b.p + 1
                 c.transformer_calls += len(active)
                 c.transformer_batches += 1
-                for b, xn in zip(active, x_next):
-                    b.x, b.p = xn, b.p + 1
                 finished += [b for b in active if b.done]
                 active = [b for b in active if not b.done]
             flush(force=not pending and not active)
         return futures
+
+
+def _heun_advance(active: list[Branch], v: torch.Tensor) -> None:
+    """One velocity call's worth of Heun for each branch: at x_p the call gives v0 and x moves to the
+    Euler predictor; at the predictor it completes the step, x_{p+1} = formulas.heun_step(x_p, v0, v,
+    sigma_p, sigma_{p+1}). Every step is a full Heun step, the last one (to sigma = 0) included."""
+    for b, vb in zip(active, v):
+        sig, sig_next = torch.tensor([b.sigmas[b.p]]), torch.tensor([b.sigmas[b.p + 1]])
+        if b.x0 is None:  # at x_p: the predictor
+            b.x0, b.v0 = b.x, vb.float()
+            b.x = formulas.ode_step(b.x[None], vb[None], sig, sig_next)[0]
+        else:  # at the predictor: the corrected step
+            b.x = formulas.heun_step(b.x0[None], b.v0[None], vb[None], sig, sig_next)[0]
+            b.x0 = b.v0 = None
+            b.p += 1
 
 
 def check_rollout(trajs: list[TrajectoryRecord], reference: dict, shard: Path) -> None:
