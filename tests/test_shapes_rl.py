@@ -1,8 +1,10 @@
-"""End-to-end RL smoke on the pretrained `tiny-shapes`: the main job's recipe, shrunk to one round.
+"""End-to-end RL smoke on the pretrained `tiny-shapes`: the testbed's recipes, shrunk to one round.
 
-Rollout (CPS window), score with the dense GenEval reward of the weight-free shapes detector,
-turning-point advantages, a LoRA update, and the held-out GenEval evaluation of the adapter: the
-same code path as `tpkit run pipelines/shapes-tpgrpo.toml`, on a few prompts, in well under a minute.
+The main job (`tpkit run pipelines/shapes-tpgrpo-pickscore.toml`): rollout (CPS window), score with
+the learned preference model through the `pickscore` reward, turning-point advantages, a LoRA update,
+and the held-out evaluation of the adapter on the learned reward with GenEval accuracy beside it.
+The GenEval recipe (`pipelines/shapes-tpgrpo.toml`): the same with the dense GenEval reward of the
+weight-free shapes detector. Each on a few prompts, in well under a minute.
 """
 
 from __future__ import annotations
@@ -17,11 +19,37 @@ from tpkit import evaluate, layout
 from tpkit.config import load_recipe
 
 RECIPE = Path(__file__).resolve().parents[1] / "pipelines" / "shapes-tpgrpo.toml"
+MAIN_JOB = RECIPE.with_name("shapes-tpgrpo-pickscore.toml")  # the README's main job
 SMOKE = ["rollout.prompts_per_round=4", "rollout.group_size=4", "rollout.prompts_per_shard=2", "rollout.batch_size=16",
          "eval_every=1", "eval.images_per_prompt=1", "eval.steps=8"]
 
 
 def test_one_round_of_the_main_job(tmp_path):
+    """The learned reward through the PickScore code path: continuous rewards, so step rewards are seldom
+    tied and turning points fire; the verdict is on the learned reward, with GenEval accuracy beside it."""
+    from tpkit import run
+
+    recipe = load_recipe(MAIN_JOB, SMOKE, rounds=1, out=str(tmp_path / "run"))
+    assert recipe.score.rewards == {"pickscore": 1.0} and recipe.score.reward_options["pickscore"]["model"] == "tiny-shapes-pickscore"
+    readme = (MAIN_JOB.parents[1] / "README.md").read_text()
+    assert readme.index(f"tpkit run pipelines/{MAIN_JOB.name}") < readme.index("python -m pytest -q")  # the first command
+    as_shipped = load_recipe(MAIN_JOB)
+    assert as_shipped.eval.steps == as_shipped.rollout.steps  # evaluated with the sampler the policy is trained on
+    line = run.run(recipe)[0]
+    scores = layout.read_parquet_tables(tmp_path / "run" / "round-0000" / "score", "score")
+    rewards = np.asarray(scores["reward"].to_pylist())
+    assert np.isfinite(rewards).all() and rewards.std() > 0.1  # logit_scale.exp() * cos: a wide, continuous scale
+    assert len(np.unique(rewards)) > 0.9 * len(rewards)  # continuous: hardly any two branches score the same
+    zero = line["zero_step_rewards_per_step"]
+    assert len(zero) == recipe.rollout.window_size and max(zero[:-1]) < 0.25  # GenEval's dense score: ~0.5 at step 1
+    assert line["turning_point_rate"] > 0
+    change = evaluate.heldout_change(tmp_path / "run", [line])
+    assert change["metric"] == "reward" and change["geneval"]["metric"] == "geneval_overall"
+    assert np.isfinite(change["delta"]) and 0 < change["delta_se"] < 2
+    assert line["eval"]["reward"] == pytest.approx(line["eval"]["reward_pickscore"])
+
+
+def test_one_round_of_the_geneval_recipe(tmp_path):
     from tpkit import run
 
     recipe = load_recipe(RECIPE, SMOKE, rounds=1, out=str(tmp_path / "run"))

@@ -2,7 +2,7 @@
 
     python bench/compare/compare_methods.py [--reward geneval|pickscore] [--seeds 0 1 2] [--rounds 6] [--jobs 2]
                                             [--no-ablations] [--runs runs/compare] [--out bench/compare]
-                                            [--long-rounds 18 [--long-seeds 0 1 2]]
+                                            [--long-rounds 18 [--long-seeds 0 1 2]] [--recheck-steps 40]
 
 1. Runs. pipelines/shapes-tpgrpo.toml and pipelines/shapes-flowgrpo.toml (identical but for the
    method, so both are tuned equally; --reward pickscore: the pair trained on the learned reward,
@@ -22,6 +22,9 @@
    the round at which TP-GRPO's mean first reaches Flow-GRPO's final mean; final accuracy per task;
    turning points, zero step rewards and mean |d_k| per step early and late in training; seconds
    per round.
+   Per run, its own verdict (`tpkit run`'s: the last evaluation against the base model's, paired over
+   prompts) and minutes. --recheck-steps N: the base model and every final adapter again at N ODE
+   steps (the paper's 40), 2 images a prompt, through `tpkit eval compare`.
 4. bench/compare/RESULTS.md, compare.png (curves) and diagnostics.png (per-step statistics).
 """
 
@@ -280,12 +283,20 @@ def plot(out: Path, agg: dict, diag: dict, key: str = "geneval_overall", title: 
     plt.close(fig)
 
 
+def run_minutes(job: Job) -> float:
+    """Minutes one run's stages took, its base evaluation included (the run's own clock, whatever else ran)."""
+    manifest = job.out / layout.BASE_EVAL / layout.MANIFEST
+    base_s = sum(json.loads(manifest.read_text()).get("seconds", {}).values()) if manifest.is_file() else 0.0
+    return (sum(v for r in rounds_of(job) for v in r["seconds"].values()) + base_s) / 60
+
+
 def stage_minutes(all_jobs: list[Job]) -> float:
     """Minutes the runs' stages took (rounds.jsonl seconds, evaluations included, base evaluations not)."""
     return sum(v for j in all_jobs if finished(j, 1) for r in rounds_of(j) for v in r["seconds"].values()) / 60
 
 
-def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed: float, reward: str = "geneval") -> str:
+def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed: float, reward: str = "geneval",
+           extra: list[str] = ()) -> str:
     key, title = METRICS[reward]
     by_method = {m: [rounds_of(j) for j in all_jobs if j.method == m and j.main] for m in RECIPES}
     agg = {m: curves(runs, base) for m, runs in by_method.items()}
@@ -376,14 +387,27 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
         L.append(f"| {k} | {base_shares[k]:.3f} | " + " | ".join(fmt(mean_ci([s[k] for s in shares[m]])) for m in RECIPES) + " |")
     L.append("")
     evaluated = sorted(r for r in tp["eval"] if r)
+    # One run's own verdict, as `tpkit run` prints it: the last evaluation against the base model's, paired over
+    # the held-out prompts (95 %): does a single run's gain clear the evaluation's noise?
     L += [f"## Per seed ({title}; base {base.get(key, float('nan')):.3f})", "",
-          "| run | " + " | ".join(f"after {r} rounds" for r in evaluated) + " |", "|" + " --- |" * (1 + len(evaluated))]
+          "Each run's last evaluation minus the base model's, paired over prompts (95 %; the verdict of `tpkit run`), "
+          "and its minutes (every stage and evaluation, base evaluation included).", "",
+          "| run | " + " | ".join(f"after {r} rounds" for r in evaluated) + " | change (paired over prompts) | "
+          + "".join("GenEval change | " for _ in beside) + "clears noise | minutes |",
+          "|" + " --- |" * (4 + len(evaluated) + len(beside))]
     for m in RECIPES:
         for j in (j for j in all_jobs if j.method == m and j.main):
-            ev = {i + 1: r["eval"][key] for i, r in enumerate(rounds_of(j)) if r.get("eval")}
-            L.append(f"| {m} seed {j.seed} | " + " | ".join(f"{ev[r]:.3f}" if r in ev else "" for r in evaluated) + " |")
+            rs = rounds_of(j)
+            ev = {i + 1: r["eval"][key] for i, r in enumerate(rs) if r.get("eval")}
+            c = evaluate.heldout_change(j.out, rs)
+            changes = [c, *(c.get("geneval") for _ in beside)] if c else []
+            cells = " | ".join(f"{x['delta']:+.3f} ± {1.96 * x['delta_se']:.3f}" if x else "" for x in changes)
+            clears = "yes" if c and c["delta"] > 1.96 * c["delta_se"] else "no"
+            L.append(f"| {m} seed {j.seed} | " + " | ".join(f"{ev[r]:.3f}" if r in ev else "" for r in evaluated)
+                     + f" | {cells} | {clears} | {run_minutes(j):.1f} |")
     L.append("")
     L += equal_time(all_jobs, base, key)
+    L += extra
     abl = [j for j in all_jobs if j.overrides and finished(j, 1)]
     if abl:
         main = next(j for j in all_jobs if j.method == "tp-grpo" and j.seed == seeds[0] and j.main)
@@ -455,6 +479,47 @@ def equal_time(all_jobs: list[Job], base: dict, key: str = "geneval_overall") ->
     return L + [""]
 
 
+def recheck(all_jobs: list[Job], rounds: int, steps: int, runs_dir: Path, reward: str) -> list[str]:
+    """Every main run's final adapter and the base model at another sampler (e.g. the paper's 40 ODE steps,
+    2 images a prompt) on the recipe's held-out prompts, through `tpkit eval compare` (resumable; one
+    table, every entry paired with the base over prompts): does the gain measured at the recipe's own
+    evaluation survive a change of sampler?"""
+    main = [j for j in all_jobs if j.main and finished(j, rounds)]
+    if not main:
+        return []
+    r = load_recipe(main[0].recipe)
+    out = runs_dir / f"recheck-steps{steps}"
+    entries = [f"base={r.rollout.model}"] + [
+        f"{j.name}={r.rollout.model}+{layout.round_dir(j.out, rounds - 1) / 'train' / 'adapter'}" for j in main]
+    cmd = [sys.executable, "-m", "tpkit", "eval", "compare", "--out", str(out), "--prompts", r.eval.prompts,
+           "--steps", str(steps), "--images-per-prompt", "2", "--batch-size", str(r.eval.batch_size),
+           "--seed", str(r.eval.seed), "--geneval", "--detector", "shapes"]
+    for name in r.eval.rewards:
+        cmd += ["--reward", name] + [a for k, v in r.eval.reward_options.get(name, {}).items()
+                                     for a in ("--reward-opt", f"{name}.{k}={v}")]
+    for e in entries:
+        cmd += ["--entry", e]
+    print(f"recheck at {steps} steps: {' '.join(cmd[2:])}", flush=True)
+    with open(out.with_suffix(".log"), "a") as log:
+        if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode:
+            raise SystemExit(f"the recheck failed: see {out.with_suffix('.log')}")
+    table = json.loads((out / "compare.json").read_text())
+    metrics = [m for m in (f"reward_{reward}", "geneval_overall") if m in table["metrics"]]
+    L = [f"## The final adapters at {steps} ODE steps (2 images a prompt)", "",
+         f"Regenerated with the table above (`--recheck-steps {steps}`; `tpkit eval compare`, folder "
+         f"`{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}`): each run's adapter after {rounds} rounds minus "
+         "the base model, paired over the held-out prompts (95 %).", "",
+         "| run | " + " | ".join(f"{m} change" for m in metrics) + " | clears noise |", "|" + " --- |" * (2 + len(metrics))]
+    base_cell = table["cells"]["base"]
+    L.append("| base | " + " | ".join(f"{base_cell[m]['mean']:.3f}" for m in metrics) + " | |")
+    for j in main:
+        c = table["cells"][j.name]
+        first = c[metrics[0]]
+        L.append(f"| {j.name} | " + " | ".join(f"{c[m]['delta']:+.3f} ± {1.96 * c[m]['delta_se']:.3f}" for m in metrics)
+                 + f" | {'yes' if first['delta'] > 1.96 * first['delta_se'] else 'no'} |")
+    return L + [""]
+
+
 def make_folders(*folders: Path) -> None:
     """--runs and --out up front, so that a file given for one stops the script before any run, not after."""
     for folder in folders:
@@ -476,6 +541,8 @@ def main() -> None:
     p.add_argument("--long-rounds", type=int, default=0, help="also Flow-GRPO for this many rounds (18: about TP-GRPO's "
                                                                 "time for 6), continued from a copy of the comparison's run")
     p.add_argument("--long-seeds", type=int, nargs="+", help="seeds of those (default: the first three)")
+    p.add_argument("--recheck-steps", type=int, default=0, help="also evaluate every final adapter and the base model "
+                                                                  "at this many ODE steps (40: the paper's), 2 images a prompt")
     args = p.parse_args()
     pick = args.reward != "geneval"
     args.runs = args.runs or ROOT / "runs" / ("compare-" + args.reward if pick else "compare")
@@ -492,7 +559,8 @@ def main() -> None:
         all_jobs += long
         run_jobs([j for j in long if not finished(j, args.rounds)], args.rounds, args.jobs)
     base = base_eval(all_jobs)
-    print(report(args.out, all_jobs, args.seeds, base, time.time() - t0, args.reward))
+    extra = recheck(all_jobs, args.rounds, args.recheck_steps, args.runs, args.reward) if args.recheck_steps else []
+    print(report(args.out, all_jobs, args.seeds, base, time.time() - t0, args.reward, extra))
 
 
 if __name__ == "__main__":
