@@ -5,8 +5,9 @@ shard and never recomputed. Branches of all trajectories and states of a shard s
 batches (per-sample timesteps, longest branches first, continuous refill as branches finish), and
 each branch's first step reuses the rollout's velocity v(s_k), so a trajectory costs
 sum_k (T - a - k - 1) calls here (45 for T = 10, K = 9); `--branch-steps N` caps each branch at N
-steps of a coarser schedule, with Euler steps or (`--branch-solver heun`) second-order Heun steps. Decoded images are scored on a worker thread while the transformer
-runs. A policy LoRA is merged into the weights here (score's numbers need not match train's).
+steps of a coarser schedule, Euler steps or (`--branch-solver heun`) second-order Heun steps.
+Decoded images are scored on a worker thread while the transformer runs. A policy LoRA is merged
+into the weights here (score's numbers need not match train's).
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ class BranchScorer:
                 v_k = t.tensors["velocities"][k: k + 1].to(model.device)
                 x = formulas.ode_step(s_k, v_k, sched[0], sched[1])[0]
                 if heun:
-                    branches.append(Branch(n, k, x, sched, 0, 2, s_k[0].float(), v_k[0].float()))
+                    branches.append(Branch(n, k, x, sched, p=0, calls_per_step=2, x0=s_k[0].float(), v0=v_k[0].float()))
                 else:
                     branches.append(Branch(n, k, x, sched, 1))
         # Longest first: the short branches left at the end drain the queue in full batches (for
