@@ -316,8 +316,7 @@ def _setup(cfg: TrainConfig, rollout: dict, embeds: dict, meta: dict, on_cpu: bo
     out = Path(cfg.out)
     init_lora = str(policy_adapter(cfg.init_lora)) if cfg.init_lora else None  # not the EMA of an EMA run
     state_in = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
-    trainer_state = json.loads((state_in / "trainer.json").read_text()) if state_in and (state_in / "trainer.json").is_file() else {}
-    global_step = round_start = trainer_state.get("global_step", 0)
+    global_step = round_start = _trainer_state(state_in).get("global_step", 0) if state_in else 0
     resume = _read_checkpoint(out) if not (out / layout.MANIFEST).is_file() else None
 
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=on_cpu)
@@ -373,10 +372,16 @@ def _adamw(cfg: TrainConfig, params: list, state_in: Path | None) -> torch.optim
     return optimizer
 
 
+def _trainer_state(folder: Path) -> dict:
+    """A state folder's trainer.json (global step, optimizer kind; `_save_state`), {} where there is none."""
+    path = folder / "trainer.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def _load_optimizer(folder: Path, optimizer, kind: str) -> None:
     """Load folder/optimizer.pt, saved by an optimizer of the same kind (trainer.json says which; states
     saved before it did are torch's AdamW)."""
-    saved = json.loads((folder / "trainer.json").read_text()).get("optimizer", "adamw") if (folder / "trainer.json").is_file() else "adamw"
+    saved = _trainer_state(folder).get("optimizer", "adamw")
     if saved != kind:
         raise TrainError(f"{folder} holds the moments of optimizer = {saved}; this round uses {kind}",
                          f"keep train.optimizer = {saved} for this run, or start a new one (no --init-lora)")
