@@ -5,7 +5,7 @@
 - score: two ranks vs one on the same rollout: identical rows and counts;
 - advantages on both score outputs: identical tables;
 - train: `torchrun --nproc_per_node 2 -m tpkit train` (DDP, gloo on CPU) vs one process: metrics
-  and adapter within float tolerance;
+  and trained weights within float tolerance, for a LoRA and for full fine-tuning;
 - `accelerate launch --multi_gpu --num_processes 2 -m tpkit run` of a tiny recipe finishes, both
   ranks wrote shards and train ran DDP over both (on a machine without GPUs accelerate's multi-GPU
   launcher is torchrun, and the processes join a gloo group on the CPU).
@@ -37,7 +37,9 @@ PROMPTS = ["a red cube on a wooden table", "a small boat on a calm lake at dawn"
 GROUP = 2
 ROLLOUT_ARGS = ["--group-size", str(GROUP), "--steps", "6", "--window-size", "5", "--window-range", "0", "5",
                 "--prompts-per-shard", "1"]
-TRAIN_ARGS = ["--lora-rank", "4", "--lora-alpha", "8", "--optimizer-steps", "2"]
+TRAIN_ARGS = ["--optimizer-steps", "2"]
+FINETUNE_ARGS = {"lora": ["--lora-rank", "4", "--lora-alpha", "8"],  # what train updates: a LoRA, or every weight
+                 "full": ["--finetune", "full", "--learning-rate", "1e-4"]}
 # Per-rank settings that legitimately differ between a 1-process and a 2-process run.
 RANK_KEYS = ("out", "rank", "world_size")
 
@@ -161,12 +163,13 @@ def advantage_dirs(chain, scores) -> dict:
     return {"one": work / "adv-1", "two": work / "adv-2"}
 
 
-@pytest.fixture(scope="module")
-def trains(chain, rollouts, advantage_dirs) -> dict:
-    """The same training, one process and DDP over 2 (torchrun, gloo), side by side."""
+@pytest.fixture(scope="module", params=list(FINETUNE_ARGS))
+def trains(request, chain, rollouts, advantage_dirs) -> dict:
+    """The same training (a LoRA, or every weight), one process and DDP over 2 (torchrun, gloo), side by side."""
     work = chain[0]
-    one, two = work / "train-1", work / "train-2"
-    common = ["--rollout", rollouts["one"], "--advantages", advantage_dirs["one"], *TRAIN_ARGS]
+    one, two = work / f"train-{request.param}-1", work / f"train-{request.param}-2"
+    common = ["--rollout", rollouts["one"], "--advantages", advantage_dirs["one"], *TRAIN_ARGS,
+              *FINETUNE_ARGS[request.param]]
     run_all(tpkit("train", *common, "--out", one), torchrun("train", *common, "--out", two))
     return {"one": one, "two": two}
 
@@ -212,9 +215,10 @@ def metrics(folder: Path) -> list[dict]:
 
 
 def adapter(folder: Path) -> dict[str, torch.Tensor]:
+    """The trained weights of a train folder: its LoRA adapter, or its fully trained transformer."""
     from safetensors.torch import load_file
 
-    files = sorted((folder / "adapter").glob("*.safetensors"))
+    files = sorted((folder / "adapter").glob("*.safetensors")) or sorted((folder / "model" / "transformer").glob("*.safetensors"))
     assert len(files) == 1, files
     return load_file(files[0])
 
@@ -327,7 +331,7 @@ def test_train_ddp_matches_one_process(trains):
     one, two = trains["one"], trains["two"]
     m1, m2 = metrics(one), metrics(two)
     assert len(m1) == len(m2) == 2
-    # Step 1 runs on the untouched LoRA: the replayed batches give ratio exactly 1 in both runs.
+    # Step 1 runs on the untouched weights: the replayed batches give ratio exactly 1 in both runs.
     assert m1[0]["ratio_mean"] == m2[0]["ratio_mean"] == 1.0
     for a, b in zip(m1, m2):
         assert a["step"] == b["step"] and a["samples"] == b["samples"]

@@ -102,6 +102,8 @@ def test_manifest_counts_model_work_and_seconds_per_phase(which, request):
     manifest = json.loads((request.getfixturevalue(which) / layout.MANIFEST).read_text())
     counts, seconds, beta = manifest["counts"], manifest["seconds"], manifest["config"]["beta"]
     assert counts["transitions"] > 0 and counts["transformer_calls"] == counts["transitions"]
+    lora = adapter(request.getfixturevalue(which) / train.ADAPTER)
+    assert counts["trained_parameters"] == sum(v.numel() for v in lora.values())  # the LoRA's, nothing else
     assert counts["reference_calls"] == (counts["transitions"] if beta > 0 else 0)
     phases = {"read", "load", "forward", "backward", "optimizer", "save"} | ({"reference"} if beta > 0 else set())
     if manifest["config"]["checkpoint_every"] and counts["optimizer_steps"] > 1:  # none after the last step

@@ -168,7 +168,9 @@ def train(
     rollout_dir: Path = opt(TrainConfig, "rollout", "--rollout", required=True),
     advantages_dir: Path = opt(TrainConfig, "advantages", "--advantages", required=True),
     out: Path = opt(TrainConfig, "out", "--out", required=True),
+    finetune: str = opt(TrainConfig, "finetune"),
     init_lora: Optional[Path] = opt(TrainConfig, "init_lora"),
+    init_state: Optional[Path] = opt(TrainConfig, "init_state"),
     lora_rank: int = opt(TrainConfig, "lora_rank"),
     lora_alpha: int = opt(TrainConfig, "lora_alpha"),
     lora_target: Optional[List[str]] = opt(TrainConfig, "lora_targets", "--lora-target"),
@@ -198,13 +200,14 @@ def train(
     log_with: str = opt(TrainConfig, "log_with"),
     device: str = opt(TrainConfig, "device"), dtype: str = opt(TrainConfig, "dtype"),
 ) -> None:
-    """GRPO updates of a LoRA on the cached transitions (accelerate; multi-GPU with `accelerate launch`)."""
+    """GRPO updates of a LoRA (or, --finetune full, of every weight) on the cached transitions (accelerate;
+    multi-GPU with `accelerate launch`)."""
     from tpkit import train as stage
     from tpkit.show import train_view
 
     cfg = TrainConfig(
-        rollout=str(rollout_dir), advantages=str(advantages_dir), out=str(out), init_lora=_str(init_lora),
-        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=list(lora_target) if lora_target else None, optimizer=optimizer, learning_rate=learning_rate,
+        rollout=str(rollout_dir), advantages=str(advantages_dir), out=str(out), finetune=finetune, init_lora=_str(init_lora),
+        init_state=_str(init_state), lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=list(lora_target) if lora_target else None, optimizer=optimizer, learning_rate=learning_rate,
         adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_weight_decay=adam_weight_decay, adam_epsilon=adam_epsilon,
         clip_range=clip_range, adv_clip=adv_clip, beta=beta, kl=kl, drop_zero_advantage=drop_zero_advantage,
         optimizer_steps=optimizer_steps, ema_every=ema_every,

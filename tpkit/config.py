@@ -28,6 +28,7 @@ TRACKERS = ("none", "tensorboard", "wandb")  # --log-with (tpkit.tracking)
 PRECISIONS = ("no", "fp16", "bf16")
 BRANCH_SOLVERS = ("euler", "heun")  # score.branch_solver: formulas.ode_step, formulas.heun_step
 OPTIMIZERS = ("adamw", "adamw8bit")  # torch's AdamW; bitsandbytes' 8-bit AdamW (an optional extra)
+FINETUNES = ("lora", "full")  # what train updates: a LoRA adapter, or every weight of the transformer
 KL_MODES = ("release", "exact")
 
 
@@ -363,8 +364,13 @@ def lora_targets(targets: list[str] | None, family: str) -> list[str]:
 class TrainConfig:
     rollout: str = doc("", "Folder written by `tpkit rollout`.")
     advantages: str = doc("", "Folder written by `tpkit advantages`, or its advantages.parquet.")
-    out: str = doc("", "Output folder: adapter/, state/, metrics.jsonl, manifest.json.")
+    out: str = doc("", "Output folder: adapter/ (or model/ with finetune = full), state/, metrics.jsonl, manifest.json.")
+    finetune: str = doc("lora", "lora: train a LoRA adapter (adapter/); full: every weight of the transformer, kept in "
+                                "float32 (model/: a diffusers pipeline folder; 16 bytes a parameter with AdamW).")
     init_lora: str | None = doc(None, "adapter/ of a previous round (its state/ is continued too).")
+    init_state: str | None = doc(None, "state/ of a previous round to continue (optimizer moments, step); default: "
+                                       "the one beside --init-lora. With finetune = full the weights come from the "
+                                       "rollout's model (the previous round's model/).")
     lora_rank: int = doc(32, "LoRA rank r.")
     lora_alpha: int = doc(64, "LoRA alpha.")
     lora_targets: list[str] | None = doc(  # None: the model family's; checked by train
@@ -411,6 +417,14 @@ class TrainConfig:
         _choice("kl", self.kl, KL_MODES)
         _choice("log_with", self.log_with, TRACKERS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("finetune", self.finetune, FINETUNES)
+        if self.finetune == "full" and self.init_lora:
+            raise ConfigError("finetune = full continues the rollout's model, not a LoRA (--init-lora)",
+                              "sample with the previous round's model/ (`tpkit rollout --model`) and pass its state/ "
+                              "as --init-state, or use finetune = lora")
+        if self.finetune == "full" and self.ema:
+            raise ConfigError("ema = true is not supported with finetune = full yet (it would keep a second float32 "
+                              "copy of every weight)", "set train.ema = false, or use finetune = lora")
         if self.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError("optimizer = adamw8bit needs bitsandbytes, which is not installed",
                               "pip install bitsandbytes (or pip install 'tpkit[8bit]'), or use optimizer = adamw")
@@ -432,6 +446,8 @@ class TrainConfig:
         _positive("adam_weight_decay", self.adam_weight_decay, allow_zero=True)
         if self.init_lora:
             self.init_lora = str(Path(self.init_lora).expanduser().resolve())
+        if self.init_state:
+            self.init_state = str(Path(self.init_state).expanduser().resolve())
         return self
 
 
@@ -483,7 +499,7 @@ _WIRED = {
     "rollout": {"out", "lora", "rank", "world_size", "seed", "overwrite"},
     "score": {"rollout", "out", "rewards", "reward_options", "rank", "world_size", "overwrite"},
     "advantages": {"scores", "out", "method", "overwrite"},
-    "train": {"rollout", "advantages", "out", "init_lora", "seed", "overwrite", "log_with"},
+    "train": {"rollout", "advantages", "out", "init_lora", "init_state", "seed", "overwrite", "log_with"},
     "eval": {"model", "family", "lora", "out", "images", "resolution", "rank", "world_size", "overwrite"},
 }
 _SECTIONS = {"rollout": RolloutConfig, "score": ScoreConfig, "advantages": AdvantagesConfig, "train": TrainConfig,

@@ -21,10 +21,10 @@ from tpkit.formulas import round_learning_rate
 from tpkit.rewards.registry import check_inputs, load_rewards
 from tpkit.ui import console
 
-def evaluate_into(recipe: Recipe, folder: Path, lora: Path | None, what: str) -> float | None:
-    """The recipe's held-out evaluation of the base model plus `lora` (None: the base model alone)
-    into `folder`, unless it is already there; its seconds when it ran."""
-    cfg = dataclasses.replace(recipe.eval, out=str(folder), lora=str(lora) if lora else None)
+def evaluate_into(recipe: Recipe, folder: Path, policy: tuple[str, str | None], what: str) -> float | None:
+    """The recipe's held-out evaluation of `policy` (model, LoRA or None; `trained_policy`) into `folder`,
+    unless it is already there; its seconds when it ran."""
+    cfg = dataclasses.replace(recipe.eval, out=str(folder), model=policy[0], lora=policy[1])
     seconds = None
     if not done(folder, lambda: evaluate.identity(cfg.validate()), cfg):
         _, seconds = _timed(evaluate.run, cfg)  # all processes: rank-split like every stage
@@ -35,6 +35,19 @@ def evaluate_into(recipe: Recipe, folder: Path, lora: Path | None, what: str) ->
 def stage_dirs(run_dir: Path, r: int) -> dict[str, Path]:
     base = layout.round_dir(run_dir, r)
     return {s: base / s for s in ("rollout", "score", "advantages", "train")}
+
+
+def trained_policy(recipe: Recipe, run_dir: Path, r: int, sampling: bool = False) -> tuple[str, str | None]:
+    """(model, LoRA adapter or None) after round r's training (r = -1: the recipe's model). With EMA on,
+    `sampling` takes adapter-raw/, the trained weights that the next round samples with and continues,
+    else adapter/ (the EMA: what is evaluated), as in the release. finetune = full: the round's model/."""
+    if r < 0:
+        return recipe.rollout.model, None
+    folder = stage_dirs(run_dir, r)["train"]
+    if recipe.train.finetune == "full":
+        return str(folder / train.MODEL), None
+    adapter = folder / train.ADAPTER
+    return recipe.rollout.model, str(train.policy_adapter(adapter) if sampling else adapter)
 
 
 # Recipe keys a continued run may change: how far to go, where to log, what to keep, and where the run
@@ -138,17 +151,17 @@ def round_stages(recipe: Recipe, run_dir: Path, r: int) -> dict[str, tuple]:
     finished folder against). Configs refer to the folders; identities read the earlier stages' outputs."""
     d = stage_dirs(run_dir, r)
     rollout_manifest = lambda: layout.read_manifest(d["rollout"], "rollout", pruned_ok=True)  # noqa: E731 (kept rounds are pruned)
-    # The previous round's trained weights (its adapter-raw/ when EMA is on: adapter/ is then the EMA,
-    # which is evaluated, while sampling and training continue the policy itself, as in the release).
-    prev_adapter = train.policy_adapter(stage_dirs(run_dir, r - 1)["train"] / train.ADAPTER) if r > 0 else None
+    # The previous round's trained weights: its LoRA (adapter-raw/ with EMA) or its fully trained model/.
+    model, lora = trained_policy(recipe, run_dir, r - 1, sampling=True)
     ro = dataclasses.replace(recipe.rollout, out=str(d["rollout"]), seed=recipe.seed + r,  # a fresh seed every round
-                             lora=str(prev_adapter) if prev_adapter else None)
+                             model=model, lora=lora)
     sc = dataclasses.replace(recipe.score, rollout=str(d["rollout"]), out=str(d["score"]))
     ad = dataclasses.replace(recipe.advantages, scores=str(d["score"]), out=str(d["advantages"]))
     tr = dataclasses.replace(recipe.train, rollout=str(d["rollout"]), advantages=str(d["advantages"]),
                              out=str(d["train"]), seed=recipe.seed + r,
                              learning_rate=round_learning_rate(recipe.train.learning_rate, r, recipe.lr_half_life),
-                             init_lora=str(prev_adapter) if prev_adapter else None)
+                             init_lora=lora,
+                             init_state=str(stage_dirs(run_dir, r - 1)["train"] / train.STATE) if r > 0 else None)
     return {
         "rollout": (ro, lambda: rollout.identity(ro.validate())),
         "score": (sc, lambda: score.identity(sc.validate(), rollout_manifest())),
@@ -195,7 +208,7 @@ def run_round(recipe: Recipe, run_dir: Path, r: int, rewards: list) -> dict | No
         layout.wait_for(d["train"] / layout.MANIFEST, "train")
     # 5. Every eval_every rounds: held-out evaluation of this round's adapter.
     if recipe.eval_every and (r + 1) % recipe.eval_every == 0:
-        if (t := evaluate_into(recipe, layout.eval_dir(run_dir, r), d["train"] / train.ADAPTER, "eval")) is not None:
+        if (t := evaluate_into(recipe, layout.eval_dir(run_dir, r), trained_policy(recipe, run_dir, r), "eval")) is not None:
             seconds["eval"] = t
     if rank != 0:
         return None
@@ -352,7 +365,7 @@ def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
         if recipe.eval_every:
             if not (run_dir / layout.BASE_EVAL / layout.MANIFEST).is_file():
                 console.rule(f"[bold]held-out evaluation of the base model[/] ({run_dir / layout.BASE_EVAL})")
-            if evaluate_into(recipe, run_dir / layout.BASE_EVAL, None, "the base model's evaluation") is not None and tracker:
+            if evaluate_into(recipe, run_dir / layout.BASE_EVAL, trained_policy(recipe, run_dir, -1), "the base model's evaluation") is not None and tracker:
                 log_eval(tracker, run_dir / layout.BASE_EVAL, "eval_base", 0)
 
         # 3. Rounds; finished ones are skipped, a half-finished one resumes at its first missing stage.

@@ -1,4 +1,4 @@
-"""Stage 4, `tpkit train`: clipped GRPO updates of a LoRA on the cached transitions.
+"""Stage 4, `tpkit train`: clipped GRPO updates of a LoRA (or of every weight) on the cached transitions.
 
 For every (trajectory, step k) row of the advantages table, the stored transition s_{k-1} -> s_k
 is re-scored under the current policy (CFG, stored prompt embeddings, no text encoder, no VAE):
@@ -15,6 +15,12 @@ carry no policy gradient; kept, they would only dilute the loss average and, wit
 They stay in their micro-batches with weight 0, so the others are recomputed in the rollout's batch
 (bit for bit). With EMA on, adapter/ holds the EMA weights (what to evaluate and load) and
 adapter-raw/ the trained ones (what the next round samples with and continues from).
+
+finetune = "full" trains every weight of the transformer instead, in float32 (mixed precision
+computes from them), and saves model/, a diffusers pipeline folder holding the trained transformer
+and links to the other components: the next round samples with it as its model and continues its
+weights exactly. The KL reference is then a frozen copy of the base model (the run's first model),
+loaded in train.dtype beside the trained one.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from tpkit.models.base import lora_state
 from tpkit.timing import Phases
 from tpkit.ui import track
 
-ADAPTER, ADAPTER_RAW, STATE, CHECKPOINT = "adapter", "adapter-raw", "state", "checkpoint"
+ADAPTER, ADAPTER_RAW, MODEL, STATE, CHECKPOINT = "adapter", "adapter-raw", "model", "state", "checkpoint"
 
 
 def policy_adapter(adapter: str | Path) -> Path:
@@ -48,6 +54,14 @@ def policy_adapter(adapter: str | Path) -> Path:
     adapter = Path(adapter)
     raw = adapter.parent / ADAPTER_RAW
     return raw if adapter.name == ADAPTER and raw.is_dir() else adapter
+
+
+def state_in(cfg: TrainConfig) -> Path | None:
+    """The state/ folder this train continues (optimizer moments, EMA, global step): --init-state, else
+    the one beside --init-lora; None for a first round."""
+    if cfg.init_state:
+        return Path(cfg.init_state)
+    return Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
 
 
 class TrainError(TpkitError):
@@ -98,13 +112,13 @@ def identity(cfg: TrainConfig, rollout: dict, adv_files: list[Path]) -> dict:
     and the adapter and state it continues (their contents). Options that only say when to save,
     when to stop or where to log (layout.RUN_ONLY["train"]: checkpoint_every, max_bad_steps, allow_no_op,
     log_with) are left out by stage_identity, so they may change on a resume."""
-    state = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
+    state = state_in(cfg)
     return layout.stage_identity("train", to_dict(cfg), inputs={
         "rollout_id": rollout.get("rollout_id"),
         "advantages_sha256": layout.digests(adv_files),
         "init_lora_sha256": layout.tree_digest(policy_adapter(cfg.init_lora)) if cfg.init_lora else None,
         "init_state_sha256": layout.tree_digest(state) if state and state.is_dir() else None},
-        leave_out=("rollout", "advantages", "init_lora"))
+        leave_out=("rollout", "advantages", "init_lora", "init_state"))
 
 
 def check_advantages_belong(rollout: dict, rollout_dir: Path, advantages: Path, adv_files: list[Path]) -> dict:
@@ -234,6 +248,8 @@ def run(cfg: TrainConfig) -> dict:
     cfg.lora_targets = lora_targets(cfg.lora_targets, models.recorded(rollout["config"]))  # the family's default, or checked
     adv_files = layout.parquet_files(Path(cfg.advantages), "advantages")
     check_init_lora(cfg)
+    if cfg.init_state and not Path(cfg.init_state).is_dir():
+        raise InputError(f"--init-state {cfg.init_state}: no such folder", "pass the state/ folder of a previous `tpkit train`")
     tracking.check_kind(cfg.log_with)
     # Inputs checked before --overwrite clears anything: the advantages belong to this rollout, finite.
     adv_meta = check_advantages_belong(rollout, Path(cfg.rollout), Path(cfg.advantages), adv_files)
@@ -241,7 +257,7 @@ def run(cfg: TrainConfig) -> dict:
     adv = read_advantages(Path(cfg.advantages))
     ident = identity(cfg, rollout, adv_files)
     with layout.stage_lock(Path(cfg.out), rank, cfg.overwrite, world, ident,
-                           inputs=(cfg.rollout, cfg.advantages, cfg.init_lora)):
+                           inputs=(cfg.rollout, cfg.advantages, cfg.init_lora, cfg.init_state)):
         return _run(cfg, rollout, adv, adv_meta, ident)
 
 
@@ -253,11 +269,13 @@ class TrainState:
     accelerator: Any
     model: Any  # the tpkit.models model; model.transformer is the unwrapped transformer (EMA, saving)
     transformer: Any  # model.transformer as accelerate prepared it (DDP-wrapped under `accelerate launch`)
-    lora_config: Any
-    params: list  # the trainable (LoRA) parameters
+    reference: Any  # finetune = full: the frozen base transformer for the KL (None: LoRA's adapters off, or beta = 0)
+    lora_config: Any  # None with finetune = full
+    params: list  # the trainable parameters (the LoRA's, or every weight)
     optimizer: Any  # AdamW as accelerate prepared it
     optimizer_kind: str  # TrainConfig.optimizer, saved beside its state (the kinds' states do not convert)
-    ema: dict | None  # float32 EMA of the LoRA weights (None without --ema)
+    finetune: str  # TrainConfig.finetune: what params are (the LoRA's, or every weight)
+    ema: dict | None  # float32 EMA of the LoRA weights (None without --ema; never with finetune = full)
     embeds: dict  # prompt embeddings by prompt_id, on the device
     settings: dict  # the rollout's sampler settings (sampler, noise_level, sigma_1, guidance)
     global_step: int  # optimizer steps over all rounds so far
@@ -310,48 +328,69 @@ def _read_inputs(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict,
 
 def _setup(cfg: TrainConfig, rollout: dict, embeds: dict, meta: dict, on_cpu: bool, phases: Phases) -> TrainState:
     """Step 2: the state to continue from (the previous round's adapter and state, or this stage's
-    checkpoint), the model with its LoRA, AdamW and EMA, prepared by accelerate."""
+    checkpoint), the model with its LoRA (or every weight trainable), AdamW and EMA, prepared by
+    accelerate; with finetune = full and beta > 0, the frozen reference model."""
     from accelerate import Accelerator
 
     out = Path(cfg.out)
     init_lora = str(policy_adapter(cfg.init_lora)) if cfg.init_lora else None  # not the EMA of an EMA run
-    state_in = Path(cfg.init_lora).parent / STATE if cfg.init_lora else None
-    global_step = round_start = _trainer_state(state_in).get("global_step", 0) if state_in else 0
+    state = state_in(cfg)
+    global_step = round_start = _trainer_state(state).get("global_step", 0) if state else 0
     resume = _read_checkpoint(out) if not (out / layout.MANIFEST).is_file() else None
 
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=on_cpu)
     model, lora_config = _load_model(cfg, rollout, str(accelerator.device), init_lora, phases)
+    reference = _load_reference(cfg, rollout, str(accelerator.device), phases)
     params = [p for p in model.transformer.parameters() if p.requires_grad]
-    optimizer = _adamw(cfg, params, state_in)
-    ema = _load_ema(state_in, model.transformer) if cfg.ema else None
+    optimizer = _adamw(cfg, params, state)
+    ema = _load_ema(state, model.transformer) if cfg.ema else None
     metrics, bad_in_row, steps_done = [], 0, 0
     if resume:  # a killed run of this stage: continue after its last finished optimizer step
-        ema = _restore_checkpoint(out / CHECKPOINT, model.transformer, optimizer, cfg.optimizer, cfg.ema)
+        ema = _restore_checkpoint(out / CHECKPOINT, model.transformer, optimizer, cfg, cfg.ema)
         metrics, bad_in_row, steps_done = resume["metrics"], resume["bad_in_row"], resume["steps_done"]
         global_step, round_start = resume["global_step"], resume["round_start"]
     transformer, optimizer = accelerator.prepare(model.transformer, optimizer)
     device = accelerator.device
     return TrainState(
-        accelerator=accelerator, model=model, transformer=transformer, lora_config=lora_config, params=params,
-        optimizer=optimizer, optimizer_kind=cfg.optimizer, ema=ema, embeds={pid: {k: v.to(device) for k, v in e.items()} for pid, e in embeds.items()},
+        accelerator=accelerator, model=model, transformer=transformer, reference=reference, lora_config=lora_config,
+        params=params,
+        optimizer=optimizer, optimizer_kind=cfg.optimizer, finetune=cfg.finetune, ema=ema, embeds={pid: {k: v.to(device) for k, v in e.items()} for pid, e in embeds.items()},
         settings=dict(sampler=meta["sampler"], noise_level=meta["noise_level"], sigma_1=meta["sigmas"][1],
                       guidance=meta["guidance"]),
         global_step=global_step, round_start=round_start, metrics=metrics, bad_in_row=bad_in_row, steps_done=steps_done)
 
 
 def _load_model(cfg: TrainConfig, rollout: dict, device: str, init_lora: str | None, phases: Phases):
-    """The rollout's transformer (no text encoders, no VAE), frozen, with a trainable LoRA: a fresh
-    one, seeded, or init_lora's. Returns (model, LoRA config)."""
+    """The rollout's transformer (no text encoders, no VAE), frozen, with a trainable LoRA (a fresh
+    one, seeded, or init_lora's); or, with finetune = full, every weight trainable in float32 (loaded
+    in float32: a previous round saved them so). Returns (model, LoRA config or None)."""
     model_base.release()  # an inference pipeline kept by rollout/score would only take memory now
+    full = cfg.finetune == "full"
     with phases("load"):
         model = models.load(rollout["config"]["model"], models.recorded(rollout["config"]), device=device,
-                            dtype=cfg.dtype, text_encoders=False, vae=False)
-        torch.manual_seed(cfg.seed)  # the LoRA init must not depend on what ran before in this process
-        lora_config = model_base.add_trainable_lora(model.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets,
-                                             init_lora)
+                            dtype="float32" if full else cfg.dtype, text_encoders=False, vae=False)
+        lora_config = None
+        if full:
+            model_base.make_fully_trainable(model.transformer)
+        else:
+            torch.manual_seed(cfg.seed)  # the LoRA init must not depend on what ran before in this process
+            lora_config = model_base.add_trainable_lora(model.transformer, cfg.lora_rank, cfg.lora_alpha,
+                                                        cfg.lora_targets, init_lora)
     if cfg.gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
     return model, lora_config
+
+
+def _load_reference(cfg: TrainConfig, rollout: dict, device: str, phases: Phases):
+    """finetune = full with beta > 0: the base model's transformer (the run's first model, which a
+    fully fine-tuned folder names), frozen, in train.dtype: a second copy of the weights in memory.
+    None otherwise (a LoRA's reference is its own adapters switched off)."""
+    if cfg.finetune != "full" or cfg.beta == 0:
+        return None
+    with phases("load"):
+        base = model_base.base_model(rollout["config"]["model"])
+        return models.load(base, models.recorded(rollout["config"]), device=device, dtype=cfg.dtype,
+                           text_encoders=False, vae=False).transformer
 
 
 def _adamw(cfg: TrainConfig, params: list, state_in: Path | None) -> torch.optim.Optimizer:
@@ -437,7 +476,8 @@ def _accumulate(st: TrainState, cfg: TrainConfig, computed: list[MicroBatch], n_
         sync = i == len(mine) - 1
         ctx = accelerator.no_sync(st.transformer) if not sync else contextlib.nullcontext()
         with ctx:
-            loss, stats = _micro_batch_loss(st.model, st.transformer, b, st.embeds, st.settings, cfg, accelerator, phases)
+            loss, stats = _micro_batch_loss(st.model, st.transformer, st.reference, b, st.embeds, st.settings, cfg,
+                                            accelerator, phases)
             with phases("backward"):
                 accelerator.backward(loss * accelerator.num_processes / n_samples)
         sums += stats
@@ -468,7 +508,8 @@ def _checkpoint_step(st: TrainState, out: Path, steps_done: int, phases: Phases)
     """A mid-round checkpoint after `steps_done` optimizer steps of this round (written by the main process)."""
     with phases("checkpoint"):
         if st.accelerator.is_main_process:
-            _write_checkpoint(out / CHECKPOINT, st.accelerator.unwrap_model(st.transformer), st.optimizer, st.optimizer_kind, st.ema, {
+            _write_checkpoint(out / CHECKPOINT, st.accelerator.unwrap_model(st.transformer), st.optimizer, st.optimizer_kind,
+                              st.finetune, st.ema, {
                 "steps_done": steps_done, "global_step": st.global_step, "round_start": st.round_start,
                 "metrics": st.metrics, "bad_in_row": st.bad_in_row})
         st.accelerator.wait_for_everyone()
@@ -482,8 +523,10 @@ def _check_learned(st: TrainState, cfg: TrainConfig) -> None:
                          "lower --learning-rate, check the rewards and advantages (`tpkit inspect`), "
                          "or pass --allow-no-op to accept such a round")
 
-    if not all(bool(torch.isfinite(v).all()) for v in model_base.lora_state(st.accelerator.unwrap_model(st.transformer)).values()):
-        raise TrainError("the trained LoRA holds NaN or infinite weights", "lower --learning-rate (nothing was saved)")
+    trained = model_base.trained_state(st.accelerator.unwrap_model(st.transformer), cfg.finetune)
+    if not all(bool(torch.isfinite(v).all()) for v in trained.values()):
+        raise TrainError(f"the trained {'LoRA' if cfg.finetune == 'lora' else 'model'} holds NaN or infinite weights",
+                         "lower --learning-rate (nothing was saved)")
 
 
 def _save(st: TrainState, cfg: TrainConfig, rollout: dict, ident: dict, adv: dict, zero: set[str],
@@ -506,6 +549,7 @@ def _save(st: TrainState, cfg: TrainConfig, rollout: dict, ident: dict, adv: dic
             # forward with gradients and its backward, plus one reference forward when beta > 0.
             counts={"optimizer_steps": len(metrics), "micro_batches": sum(len(s) for s in computed),
                     "zero_advantage_trajectories": len(zero),
+                    "trained_parameters": sum(p.numel() for p in st.params),
                     "trajectories_in_loss": len({tid for tid, _ in adv} - zero),
                     "transitions": transitions, "transformer_calls": transitions,
                     "reference_calls": transitions if cfg.beta > 0 else 0, "global_step": st.global_step,
@@ -520,9 +564,12 @@ def _save(st: TrainState, cfg: TrainConfig, rollout: dict, ident: dict, adv: dic
 
 
 def _save_outputs(st: TrainState, out: Path) -> None:
-    """Adapter (with EMA: adapter/ the EMA, adapter-raw/ the trained weights), optimizer/EMA state, metrics."""
+    """Adapter (with EMA: adapter/ the EMA, adapter-raw/ the trained weights) or, with finetune = full, the
+    model/ pipeline folder; optimizer/EMA state, metrics."""
     unwrapped = st.accelerator.unwrap_model(st.transformer)
-    if st.ema is not None:  # users and evaluations load adapter/; the next round continues adapter-raw/
+    if st.finetune == "full":
+        st.model.save_model(unwrapped, out / MODEL)
+    elif st.ema is not None:  # users and evaluations load adapter/; the next round continues adapter-raw/
         st.model.save_lora(unwrapped, st.lora_config, out / ADAPTER_RAW)
         st.model.save_lora(st.ema, st.lora_config, out / ADAPTER)
     else:
@@ -531,7 +578,7 @@ def _save_outputs(st: TrainState, out: Path) -> None:
     layout.atomic_write(out / layout.METRICS_FILE, "".join(json.dumps(m) + "\n" for m in st.metrics).encode())
 
 
-def _micro_batch_loss(model, transformer, b: MicroBatch, embeds, settings, cfg: TrainConfig, accelerator,
+def _micro_batch_loss(model, transformer, reference, b: MicroBatch, embeds, settings, cfg: TrainConfig, accelerator,
                       phases: Phases):
     """Weighted sum over the micro-batch of the per-sample GRPO loss, and metric sums (float64 [9])."""
     device = accelerator.device
@@ -549,8 +596,11 @@ def _micro_batch_loss(model, transformer, b: MicroBatch, embeds, settings, cfg: 
     kl = torch.zeros_like(policy)
     if cfg.beta > 0:
         with phases("reference"):
-            # the reference policy is the base model: its adapters off, no second copy in memory
-            with model.reference(accelerator.unwrap_model(transformer)) as base, torch.no_grad(), accelerator.autocast():
+            # the reference policy is the base model: the LoRA's adapters off (no second copy in memory),
+            # or the frozen copy loaded beside fully trained weights
+            frozen = contextlib.nullcontext(reference) if reference is not None else model.reference(
+                accelerator.unwrap_model(transformer))
+            with frozen as base, torch.no_grad(), accelerator.autocast():
                 v_ref = model.velocity(x, sigma, emb, settings["guidance"], transformer=base)
             ref = formulas.stochastic_step(settings["sampler"], x, v_ref, sigma, sigma_next, settings["noise_level"],
                                            settings["sigma_1"], sample=x_next)
@@ -616,14 +666,16 @@ def _save_state(folder: Path, optimizer, kind: str, ema: dict | None, global_ste
 # ---- mid-round checkpoints: a killed train resumes after its last finished optimizer step -----
 
 
-def _write_checkpoint(folder: Path, transformer, optimizer, kind: str, ema: dict | None, progress: dict) -> None:
-    """LoRA weights, optimizer, EMA and progress, swapped in as a whole folder (never half-written)."""
+def _write_checkpoint(folder: Path, transformer, optimizer, kind: str, finetune: str, ema: dict | None, progress: dict) -> None:
+    """Trained weights (the LoRA's, or every weight), optimizer, EMA and progress, swapped in as a whole
+    folder (never half-written)."""
     from safetensors.torch import save
 
     tmp = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    state = {k: v.detach().float().cpu().contiguous() for k, v in lora_state(transformer).items()}
-    layout.atomic_write(tmp / "lora.safetensors", save(state))
+    trained = model_base.trained_state(transformer, finetune)
+    state = {k: v.detach().float().cpu().contiguous() for k, v in trained.items()}
+    layout.atomic_write(tmp / "weights.safetensors", save(state))
     _save_state(tmp, optimizer, kind, ema, progress["global_step"])
     layout.atomic_write_json(tmp / "progress.json", progress)
     old = folder.with_name(f".{folder.name}.old")
@@ -644,10 +696,12 @@ def _read_checkpoint(out: Path) -> dict | None:
     return json.loads((out / CHECKPOINT / "progress.json").read_text())
 
 
-def _restore_checkpoint(folder: Path, transformer, optimizer, kind: str, with_ema: bool) -> dict | None:
-    from peft.utils import set_peft_model_state_dict
+def _restore_checkpoint(folder: Path, transformer, optimizer, cfg: TrainConfig, with_ema: bool) -> dict | None:
     from safetensors.torch import load_file
 
-    set_peft_model_state_dict(transformer, load_file(folder / "lora.safetensors"), adapter_name="default")
-    _load_optimizer(folder, optimizer, kind)
+    weights = folder / "weights.safetensors"
+    if not weights.is_file():
+        weights = folder / "lora.safetensors"  # the name before full fine-tuning existed
+    model_base.load_trained_state(transformer, load_file(weights), cfg.finetune)
+    _load_optimizer(folder, optimizer, cfg.optimizer)
     return load_file(folder / "ema.safetensors") if with_ema and (folder / "ema.safetensors").is_file() else None

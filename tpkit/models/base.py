@@ -25,6 +25,7 @@ from tpkit.layout import umask
 from tpkit.runtime import pick_device, pick_dtype, quiet_libraries, set_cpu_threads, tpkit_home, tune_cpu_allocator
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' file name inside an adapter folder
+MODEL_NOTE = "tpkit-model.json"  # in a fully fine-tuned pipeline folder: the base model it was trained from
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Model:
     device: torch.device
     dtype: torch.dtype
     lora_fused: bool = False  # the adapter is merged into the weights (see `load`)
+    path: str = ""  # what `model` resolved to: a local folder or a hub id (`save_model` links its components)
 
     FAMILY: ClassVar[str] = ""
     PIPELINE: ClassVar[str] = ""  # the diffusers pipeline class
@@ -116,6 +118,59 @@ class Model:
             os.replace(tmp, folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+    def save_model(self, transformer, folder: Path) -> None:
+        """Save a fully fine-tuned transformer as a diffusers pipeline folder, atomically: `transformer/`
+        written (float32, the trained weights themselves, so the next round continues them exactly),
+        every other component a link to the model this one was loaded from (nothing large copied), and
+        MODEL_NOTE naming the base model (the KL reference of later rounds). `Pipeline.from_pretrained(folder)`
+        and `tpkit rollout --model folder` load it."""
+        import json
+
+        source = local_folder(self.path)
+        folder = Path(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+        try:
+            os.chmod(tmp, 0o777 & ~umask())
+            index = json.loads((source / "model_index.json").read_text())
+            for name in index:
+                if not name.startswith("_") and name != "transformer" and (source / name).exists():
+                    os.symlink((source / name).resolve(), tmp / name)
+            shutil.copyfile(source / "model_index.json", tmp / "model_index.json")
+            transformer.save_pretrained(tmp / "transformer", safe_serialization=True)
+            note = {"base_model": base_model(self.model), "family": self.FAMILY}
+            (tmp / MODEL_NOTE).write_text(json.dumps(note, indent=1) + "\n")
+            for f in tmp.rglob("*"):
+                if f.is_file() and not f.is_symlink():
+                    os.chmod(f, 0o666 & ~umask())
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def base_model(model: str) -> str:
+    """The model a fully fine-tuned folder (`Model.save_model`) was trained from; `model` itself otherwise."""
+    import json
+
+    note = Path(model).expanduser() / MODEL_NOTE
+    return json.loads(note.read_text())["base_model"] if note.is_file() else model
+
+
+def local_folder(path: str) -> Path:
+    """A model's local folder: `path` itself, or a hub id's snapshot in the local cache (nothing downloaded)."""
+    if Path(path).expanduser().is_dir():
+        return Path(path).expanduser().resolve()
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, local_files_only=True))
+    except Exception as e:  # not a repo id, or not (fully) in the cache
+        raise ModelError(f"{path}: not a local folder nor a model in the hub cache ({hub._first_line(e)})",
+                         "pass a local model folder as the rollout's model") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,7 +266,7 @@ def load(cls: type[Model], model: str, path: str, device: str = "auto", dtype: s
             m.eval().requires_grad_(False)
     if lora:
         load_lora(pipe, lora)
-    loaded = cls(pipe=pipe, model=model, device=dev, dtype=dt)
+    loaded = cls(pipe=pipe, model=model, device=dev, dtype=dt, path=path)
     if fuse_lora:
         _fuse(loaded)
     if reuse:
@@ -268,3 +323,29 @@ def lora_state(transformer) -> dict[str, torch.Tensor]:
     from peft.utils import get_peft_model_state_dict
 
     return get_peft_model_state_dict(transformer)
+
+
+# --------------------------------------------------------------------------------------------
+# What train updates: a LoRA, or every weight (finetune = "full")
+# --------------------------------------------------------------------------------------------
+
+
+def make_fully_trainable(transformer) -> None:
+    """Every weight of the transformer trainable, in float32 (the master weights: mixed precision
+    computes in bf16/fp16 from them; saved as they are, so the next round continues them exactly)."""
+    transformer.float().requires_grad_(True)
+
+
+def trained_state(transformer, finetune: str) -> dict[str, torch.Tensor]:
+    """The weights train updates: the LoRA's (peft names), or the whole transformer's state dict."""
+    return lora_state(transformer) if finetune == "lora" else transformer.state_dict()
+
+
+def load_trained_state(transformer, state: dict[str, torch.Tensor], finetune: str) -> None:
+    """Put `trained_state`'s weights back (a mid-round checkpoint); every key must match."""
+    if finetune == "lora":
+        from peft.utils import set_peft_model_state_dict
+
+        set_peft_model_state_dict(transformer, state, adapter_name="default")
+    else:
+        transformer.load_state_dict(state, strict=True)
