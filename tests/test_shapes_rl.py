@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tpkit import evaluate, layout
+from tpkit import evaluate, layout, report
 from tpkit.config import load_recipe
 
 RECIPE = Path(__file__).resolve().parents[1] / "pipelines" / "shapes-tpgrpo.toml"
@@ -47,6 +47,11 @@ def test_one_round_of_the_main_job(tmp_path):
     assert change["metric"] == "reward" and change["geneval"]["metric"] == "geneval_overall"
     assert np.isfinite(change["delta"]) and 0 < change["delta_se"] < 2
     assert line["eval"]["reward"] == pytest.approx(line["eval"]["reward_pickscore"])
+    # report.png's held-out bars are the verdict's paired interval, not each evaluation's own (far wider)
+    held_out = [(0, evaluate.base_eval(tmp_path / "run")), (1, line["eval"])]
+    widths, what = report._heldout_half_widths(tmp_path / "run", held_out, "reward")
+    assert widths == [0.0, pytest.approx(1.96 * change["delta_se"])] and "paired" in what
+    assert widths[1] < 1.96 * line["eval"]["reward_se"]
 
 
 def test_one_round_of_the_geneval_recipe(tmp_path):

@@ -114,9 +114,26 @@ def _per_task(ax, lines: list[dict], tasks: list[str], held_out: list[tuple[int,
         a.legend(fontsize="small", ncol=2)
 
 
+def _heldout_half_widths(run_dir: Path, held_out: list[tuple[int, dict]], key: str) -> tuple[list[float], str]:
+    """95 % half-widths of the held-out points: of each round's change from the base model, paired over
+    prompts (the same prompts and seeds: what the run's verdict tests), the base point without one; where
+    the base was not evaluated, each evaluation's own interval over prompts. Returns (widths, what)."""
+    base_dir = run_dir / layout.BASE_EVAL
+    if not held_out or held_out[0][0] != 0 or not (base_dir / evaluate.RESULTS).is_file():
+        return ([1.96 * e[f"{key}_se"] if np.isfinite(e.get(f"{key}_se", np.nan)) else 0.0 for _, e in held_out],
+                "95 % over prompts")
+    base = layout.read_jsonl(base_dir / evaluate.RESULTS)
+    widths = [0.0]
+    for r, _ in held_out[1:]:
+        cell = evaluate.paired_cell(layout.read_jsonl(layout.eval_dir(run_dir, r - 1) / evaluate.RESULTS), base, key)
+        widths.append(1.96 * cell["delta_se"] if cell.get("delta_se") is not None else 0.0)
+    return widths, "95 % of the change from the base, paired over prompts"
+
+
 def _reward_panel(a, run_dir: Path, lines: list[dict], held_out: list[tuple[int, dict]]) -> None:
     """Final reward per round: mean ± std (bars) and ± standard error (shaded); the held-out evaluation
-    (eval_every: GenEval overall accuracy, else the first reward's mean, 95 % over prompts) on a second axis."""
+    (eval_every: GenEval overall accuracy, else the first reward's mean) on a second axis, its bars the
+    paired 95 % interval of the change from the base model (`_heldout_half_widths`)."""
     rounds = [x["round"] for x in lines]
     mean = np.array([x["reward_mean"] for x in lines])
     std = np.array([x["reward_std"] for x in lines])
@@ -127,9 +144,9 @@ def _reward_panel(a, run_dir: Path, lines: list[dict], held_out: list[tuple[int,
     if any(r for r, _ in held_out):
         key = evaluate.eval_key(next(e for r, e in held_out if r))
         b = a.twinx()
-        half = [1.96 * e[f"{key}_se"] if np.isfinite(e.get(f"{key}_se", np.nan)) else 0.0 for _, e in held_out]
+        half, what = _heldout_half_widths(run_dir, held_out, key)
         b.errorbar([r for r, _ in held_out], [e.get(key) for _, e in held_out], yerr=half, fmt="s--", capsize=3,
-                   color="tab:red", label=f"held-out {key} (95 % over prompts)")
+                   color="tab:red", label=f"held-out {key} ({what})")
         b.set_ylabel(f"held-out {key}", color="tab:red")
         b.legend(loc="lower right")
     a.legend(loc="upper left")
