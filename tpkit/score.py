@@ -199,16 +199,22 @@ class BranchScorer:
 def _heun_advance(active: list[Branch], v: torch.Tensor) -> None:
     """One velocity call's worth of Heun for each branch: at x_p the call gives v0 and x moves to the
     Euler predictor; at the predictor it completes the step, x_{p+1} = formulas.heun_step(x_p, v0, v,
-    sigma_p, sigma_{p+1}). Every step is a full Heun step, the last one (to sigma = 0) included."""
-    for b, vb in zip(active, v):
-        sig, sig_next = torch.tensor([b.sigmas[b.p]]), torch.tensor([b.sigmas[b.p + 1]])
-        if b.x0 is None:  # at x_p: the predictor
-            b.x0, b.v0 = b.x, vb.float()
-            b.x = formulas.ode_step(b.x[None], vb[None], sig, sig_next)[0]
-        else:  # at the predictor: the corrected step
-            b.x = formulas.heun_step(b.x0[None], b.v0[None], vb[None], sig, sig_next)[0]
-            b.x0 = b.v0 = None
-            b.p += 1
+    sigma_p, sigma_{p+1}). Every step is a full Heun step, the last one (to sigma = 0) included.
+    Batched per phase (element-wise, so each branch gets what it would alone)."""
+    sig = torch.tensor([b.sigmas[b.p] for b in active], device=v.device)
+    sig_next = torch.tensor([b.sigmas[b.p + 1] for b in active], device=v.device)
+    pred = [i for i, b in enumerate(active) if b.x0 is None]  # at x_p: the predictor
+    corr = [i for i, b in enumerate(active) if b.x0 is not None]  # at the predictor: the corrected step
+    if pred:
+        x = torch.stack([active[i].x for i in pred])
+        for i, xn in zip(pred, formulas.ode_step(x, v[pred], sig[pred], sig_next[pred])):
+            b = active[i]
+            b.x0, b.v0, b.x = b.x, v[i].float(), xn
+    if corr:
+        x0, v0 = torch.stack([active[i].x0 for i in corr]), torch.stack([active[i].v0 for i in corr])
+        for i, xn in zip(corr, formulas.heun_step(x0, v0, v[corr], sig[corr], sig_next[corr])):
+            b = active[i]
+            b.x, b.x0, b.v0, b.p = xn, None, None, b.p + 1
 
 
 def check_rollout(trajs: list[TrajectoryRecord], reference: dict, shard: Path) -> None:
