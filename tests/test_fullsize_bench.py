@@ -18,15 +18,17 @@ sys.path.insert(0, str(ROOT / "bench" / "device"))
 import fullsize  # noqa: E402
 
 
-@pytest.mark.parametrize("config, cls, billions", [
-    (fullsize.SD35M, "SD3Transformer2DModel", 2.243), (fullsize.SD35L, "SD3Transformer2DModel", 8.057),
-    (fullsize.FLUX_DEV, "FluxTransformer2DModel", 11.901)])
-def test_the_published_configs_have_the_published_sizes(config, cls, billions):
+@pytest.mark.parametrize("name, cls, billions", [
+    ("sd35m", "SD3Transformer2DModel", 2.243), ("sd35l", "SD3Transformer2DModel", 8.057),
+    ("flux", "FluxTransformer2DModel", 11.901)])
+def test_the_published_configs_have_the_published_sizes(name, cls, billions):
     import diffusers
 
     with torch.device("meta"):
-        model = getattr(diffusers, cls)(**config)
+        model = getattr(diffusers, cls)(**fullsize.published(name)["transformer"])
+        vae = diffusers.AutoencoderKL(**fullsize.published(name)["vae"])
     assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.001)
+    assert sum(p.numel() for p in vae.parameters()) / 1e6 == pytest.approx(83.8, abs=0.1)
 
 
 def test_the_full_size_benchmark_runs_at_reduced_width(tmp_path):
@@ -43,8 +45,11 @@ def test_the_full_size_benchmark_runs_at_reduced_width(tmp_path):
         assert r["train_full_trained_params"] == r["transformer_params"]  # every weight (the LoRA's count is of
         assert r["train_lora_trained_params"] > 0  # rank 32-64 on a width-32 model: more than its weights here)
         assert r["tflop_per_call"] > 0 and r["round_ratio_tp_over_flow"] > 1
+        for key in ("rollout_batch", "score_call", "decode_batch", "train_lora_gc", "train_lora", "train_full_gc", "train_full"):
+            assert r[f"{key}_estimate_gib"] > 0, (name, key)  # the doctor's estimate beside each measured peak
+        assert r["train_full_estimate_gib"] > r["train_full_gc_estimate_gib"]
         assert r["forwards_per_call"] == (1 if name == "flux" else 2)  # FLUX's distilled guidance: one forward
-        assert str(depth[name]) in json.dumps(fullsize.MODELS[name][1])  # full depth
+        assert fullsize.published(name)["transformer"]["num_layers"] == depth[name]  # full depth
     # the recipes' windows: T = 10, K = 9 from step 0 -> 9 + 8 + ... + 1 branch calls; FLUX T = 6, K = 5 -> 15
     assert results["sd35m"]["branch_calls_tp"] == 45 and results["flux"]["branch_calls_tp"] == 15
     table = (tmp_path / "RESULTS.md").read_text()

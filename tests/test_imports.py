@@ -16,8 +16,9 @@ from pathlib import Path
 import tpkit
 
 ROOT = Path(tpkit.__file__).resolve().parent
-# Only the CLI imports its libraries inside functions: `tpkit --help` must not import torch.
-LAZY_ALLOWED = {"tpkit.cli", "tpkit.__main__"}
+# Only the CLI imports its libraries inside functions: `tpkit --help` must not import torch. And the
+# doctor, which must run (and say so) where torch is missing or broken: tpkit.memory needs torch.
+LAZY_ALLOWED = {"tpkit.cli", "tpkit.__main__", "tpkit.doctor"}
 MODULE_NAME = re.compile(r"^tpkit(\.\w+)+$")
 
 

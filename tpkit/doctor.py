@@ -11,7 +11,8 @@ Checks, in order: Python and tpkit; torch, CUDA, GPUs, bf16; the libraries tpkit
 version, import); torchvision (absent, or importable together with transformers' image processors);
 the model family's pipeline classes; the recipe (loaded with `tpkit.config.load_recipe`); the run folder (writable,
 free space, an estimate of what the recipe writes); the model (tiny-sd3, a local folder or a hub id in
-the HF cache, complete); each reward (known, its optional extras, its model files); the hub
+the HF cache, complete); each stage's peak memory per process (`tpkit.memory`: estimated from the
+model's configs, or the published ones, against the smallest GPU seen); each reward (known, its optional extras, its model files); the hub
 (reachable?); $TPKIT_HOME and the HF cache.
 
 What is checked comes from where it is declared: versions and extras from pyproject (tpkit's
@@ -519,6 +520,38 @@ def estimate_round_bytes(recipe, cuda: bool) -> tuple[int, int, str] | None:
     return total, trajectories * (2 * k + 2) * latent + trajectories * res * res * 3, how
 
 
+# What to lower when a stage's estimated memory exceeds the GPU's.
+_MEMORY_FIX = {
+    "rollout": "lower rollout.batch_size",
+    "score": "lower score.batch_size and score.decode_batch_size",
+    "train": "set train.gradient_checkpointing = true, lower train.micro_batch_size, or use optimizer = \"adamw8bit\"",
+    "eval": "lower eval.batch_size",
+}
+
+
+def _check_memory(ctx: _Context, recipe) -> None:
+    """Each stage's estimated peak memory per process (`tpkit.memory`), against the smallest GPU seen.
+    Without a GPU the estimate is for one (bf16) when the model is not a built-in tiny one."""
+    from tpkit import memory
+
+    model = recipe.rollout.model
+    arch = memory.architecture(model, recipe.rollout.family)
+    if arch is None:
+        ctx.add("memory", True, f"no estimate: {model}'s configs are not on this machine (nor published ones tpkit knows)",
+                level="info")
+        return
+    cuda = ctx.cuda or model not in BUILTIN_MODELS
+    gpu = min((ctx.torch.cuda.get_device_properties(i).total_memory for i in range(ctx.torch.cuda.device_count())),
+              default=None) if ctx.cuda else None
+    for s in memory.estimate(recipe, arch, cuda=cuda):
+        parts = " + ".join(f"{k} {memory.human(v)}" for k, v in s.parts.items())
+        fits = gpu is None or s.total <= gpu
+        where = f" of {memory.human(gpu)}" if gpu else (" (estimated for a GPU, bf16)" if not ctx.cuda and cuda else "")
+        ctx.add(f"memory: {s.stage}", fits, f"{memory.human(s.total)} per process{where}: {parts}",
+                f"{_MEMORY_FIX[s.stage]} (per-process estimate; reward models and the CUDA context come on top)",
+                level="warning" if not fits else "info")
+
+
 def _check_run_folder(ctx: _Context, run_dir: Path, recipe) -> None:
     ok, where = _writable(run_dir)
     ctx.add("run folder", ok, f"{run_dir} ({'exists' if run_dir.exists() else 'created on start'}; writable)"
@@ -798,6 +831,8 @@ def run(recipe: str | None = None, out: str | None = None, model: str | None = N
     _guarded(ctx, "hub", _check_hub)
     where = "--model DIR, or rollout.model in the recipe" if recipe else "--model DIR"
     _guarded(ctx, "model", _check_model, the_model, where)
+    if loaded is not None:
+        _guarded(ctx, "memory", _check_memory, loaded)
 
     wanted: list[tuple[str, dict, str]] = []  # (reward, its options, where it comes from)
     if loaded is not None:

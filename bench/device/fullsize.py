@@ -30,35 +30,20 @@ import math
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tpkit import formulas, runtime  # noqa: E402
+from tpkit import formulas, memory, runtime  # noqa: E402
 from tpkit.config import load_recipe, lora_targets  # noqa: E402
 from tpkit.models import base, flux, sd3  # noqa: E402
 
-# The published transformer configs (diffusers' config.json of each repository's transformer/).
-SD35M = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
-             joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
-             pos_embed_max_size=384, dual_attention_layers=list(range(13)), qk_norm="rms_norm")
-SD35L = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64, num_attention_heads=38,
-             joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048, out_channels=16,
-             pos_embed_max_size=192, dual_attention_layers=[], qk_norm="rms_norm")
-FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-                axes_dims_rope=[16, 56, 56])
-# The VAE both families use (16 latent channels), as published; scaling/shift factors differ per family.
-VAE = dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
-           up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512], layers_per_block=2,
-           latent_channels=16, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False)
-MODELS = {  # name -> (family class, transformer config, VAE factors, recipe)
-    "sd35m": (sd3.SD3, SD35M, dict(scaling_factor=1.5305, shift_factor=0.0609), "sd35m-tpgrpo-pickscore.toml"),
-    "sd35l": (sd3.SD3, SD35L, dict(scaling_factor=1.5305, shift_factor=0.0609), "sd35l-tpgrpo-pickscore.toml"),
-    "flux": (flux.Flux, FLUX_DEV, dict(scaling_factor=0.3611, shift_factor=0.1159), "flux-tpgrpo-pickscore.toml"),
+MODELS = {  # name -> (family class, hub id whose published configs are built, recipe)
+    "sd35m": (sd3.SD3, "stabilityai/stable-diffusion-3.5-medium", "sd35m-tpgrpo-pickscore.toml"),
+    "sd35l": (sd3.SD3, "stabilityai/stable-diffusion-3.5-large", "sd35l-tpgrpo-pickscore.toml"),
+    "flux": (flux.Flux, "black-forest-labs/FLUX.1-dev", "flux-tpgrpo-pickscore.toml"),
 }
 CLIP_TOKENS = 77  # SD3's two CLIP encoders' tokens before the T5 ones
 DENSE_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense (no sparsity) bf16 peaks
@@ -75,21 +60,27 @@ def reduced(cfg: dict) -> dict:
     return small
 
 
+def published(name: str) -> dict:
+    """The model's published configs (`tpkit.models.<family>.PUBLISHED`)."""
+    cls, hub_id, _ = MODELS[name]
+    return (sd3 if cls is sd3.SD3 else flux).PUBLISHED[hub_id]
+
+
 def build(name: str, args, device: torch.device, dtype: torch.dtype):
     """The family's `Model` around a random transformer and VAE (no text encoders: embeddings are random)."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel
 
-    cls, cfg, factors, _ = MODELS[name]
-    cfg = reduced(cfg) if args.reduced else cfg
-    vae_cfg = dict(VAE, **factors, **(dict(block_out_channels=[16, 16, 16, 16], norm_num_groups=4) if args.reduced else {}))
+    cls = MODELS[name][0]
+    cfg = reduced(published(name)["transformer"]) if args.reduced else published(name)["transformer"]
+    vae_cfg = dict(published(name)["vae"], **(dict(block_out_channels=[16, 16, 16, 16], norm_num_groups=4)
+                                              if args.reduced else {}))
     torch.manual_seed(0)
     with torch.device(device):
         transformer = (SD3Transformer2DModel if cls is sd3.SD3 else FluxTransformer2DModel)(**cfg).to(dtype)
         vae = AutoencoderKL(**vae_cfg).to(dtype)
     transformer.eval().requires_grad_(False)
     vae.eval().requires_grad_(False)
-    pipe = SimpleNamespace(transformer=transformer, vae=vae, vae_scale_factor=2 ** (len(vae_cfg["block_out_channels"]) - 1))
-    return cls(pipe=pipe, model=name, device=device, dtype=dtype), cfg
+    return base.bare_model(cls, transformer, vae, name, device, dtype), cfg
 
 
 def embeddings(model, cfg: dict, batch: int, text_length: int, device, dtype) -> dict:
@@ -145,14 +136,14 @@ def velocity_flops(model, cfg, recipe, resolution: int, device, dtype) -> float:
 
 
 def bench_model(name: str, args, device: torch.device, dtype: torch.dtype) -> dict:
-    recipe = load_recipe(ROOT / "pipelines" / MODELS[name][3])
+    recipe = load_recipe(ROOT / "pipelines" / MODELS[name][2])
     ro, sc, tr = recipe.rollout, recipe.score, recipe.train
     res = args.resolution or ro.resolution
     cap = lambda b: min(b, args.batch_cap) if args.batch_cap else b  # noqa: E731
     T, K, text_length, guidance = ro.steps, ro.window_size, ro.max_sequence_length or 128, ro.guidance
     model, cfg = build(name, args, device, dtype)
     meter = Meter(device)
-    out: dict = {"model": name, "recipe": MODELS[name][3], "resolution": res, "steps": T, "window": K,
+    out: dict = {"model": name, "recipe": MODELS[name][2], "resolution": res, "steps": T, "window": K,
                  "transformer_params": sum(p.numel() for p in model.transformer.parameters()),
                  "forwards_per_call": model.forwards(guidance)}
     sigma = lambda b, s=0.5: torch.full((b,), s, device=device)  # noqa: E731
@@ -203,7 +194,10 @@ def bench_model(name: str, args, device: torch.device, dtype: torch.dtype) -> di
     chip = next((k for k in DENSE_BF16_TFLOPS if device.type == "cuda" and k in torch.cuda.get_device_name()), None)
     out["share_of_bf16_peak"] = out["achieved_tflops"] / DENSE_BF16_TFLOPS[chip] if chip else None
 
-    # 5. A round per trajectory: rollout + branches + decode of every scored branch + K trained transitions.
+    # 5. What `tpkit doctor` estimates for each measured peak (the same settings, traced on the meta device).
+    out.update(estimates(name, args, recipe, dtype, B=B, S=S, D=D, M=M, resolution=res, text_length=text_length))
+
+    # 6. A round per trajectory: rollout + branches + decode of every scored branch + K trained transitions.
     train_s = out.get("train_lora_gc_s_per_transition")
     if isinstance(train_s, float):
         for method, calls, images in (("tp", out["branch_calls_tp"], K + 1), ("flow", out["branch_calls_flow"], 1)):
@@ -219,6 +213,38 @@ def gc_collect() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def estimates(name: str, args, recipe, dtype, B: int, S: int, D: int, M: int, resolution: int,
+              text_length: int) -> dict:
+    """tpkit.memory's estimate (GiB) of each peak measured above: the weights this benchmark holds
+    (transformer, VAE; no text encoders) plus the traced activations, at the same batch sizes."""
+    import dataclasses
+
+    cls = MODELS[name][0]
+    arch = memory.Architecture(cls.FAMILY, reduced(published(name)["transformer"]) if args.reduced
+                               else published(name)["transformer"],
+                               dict(published(name)["vae"], **(dict(block_out_channels=[16, 16, 16, 16], norm_num_groups=4)
+                                                               if args.reduced else {})), 0, "benchmark")
+    b = torch.empty((), dtype=dtype).element_size()
+    guidance = recipe.rollout.guidance
+    out = {}
+    with torch.device("meta"), memory.flash_attention():
+        model = memory.build_model(arch, dtype)
+        P = sum(p.numel() for p in model.transformer.parameters())
+        vae = sum(p.numel() for p in model.pipe.vae.parameters()) * b
+        act = lambda batch, **kw: memory.velocity_peak(model, arch, batch, resolution, text_length, guidance, **kw)  # noqa: E731
+        out["rollout_batch_estimate_gib"] = (P * b + vae + act(B)) / memory.GiB
+        out["score_call_estimate_gib"] = (P * b + vae + act(S)) / memory.GiB
+        out["decode_batch_estimate_gib"] = (P * b + vae + memory.decode_peak(model, D, resolution)) / memory.GiB
+        for finetune in ("lora", "full"):
+            for gc in (True, False):
+                model = memory.build_model(arch, dtype)
+                train = dataclasses.replace(recipe.train, finetune=finetune, gradient_checkpointing=gc, micro_batch_size=M,
+                                            mixed_precision="bf16" if dtype == torch.bfloat16 else "no")
+                est = memory.train_memory(model, arch, dataclasses.replace(recipe, train=train), act, P, b)
+                out[f"train_{finetune}{'_gc' if gc else ''}_estimate_gib"] = (est.total + vae) / memory.GiB
+    return out
 
 
 def train_step(model, cfg, finetune: str, gc: bool, targets, tr, ro, x, emb, sigma, meter, out: dict, key: str,
@@ -269,14 +295,15 @@ def markdown(results: list[dict], device: str) -> str:
     L = [f"# Full-size benchmark ({device})", "",
          "Regenerated by `bench/device/fullsize.sh` (random weights from the published configs, recipe settings).", "",
          "| model | params | rollout s/traj | score call s/sample | TP / Flow branch calls | decode s/img | "
-         "train LoRA+GC s/transition (peak GiB) | LoRA no GC | full+GC | full no GC | TFLOP/call | TFLOP/s (share of peak) | "
+         "train LoRA+GC s/transition (peak GiB; doctor's estimate) | LoRA no GC | full+GC | full no GC | TFLOP/call | TFLOP/s (share of peak) | "
          "TP/Flow s per trajectory |", "|" + " --- |" * 13]
     for r in results:
         def train(key):
             s = r.get(f"{key}_s_per_transition", r.get(f"{key}_s"))
-            return f"{f(s, 3)} ({f(r.get(f'{key}_peak_gib'), 1)})" if s != "oom" else "OOM"
+            est = f(r.get(f"{key}_estimate_gib"), 1)
+            return f"{f(s, 3)} ({f(r.get(f'{key}_peak_gib'), 1)}; est. {est})" if s != "oom" else f"OOM (est. {est})"
         L.append(f"| {r['model']} | {r['transformer_params'] / 1e6:,.0f} M | {f(r['rollout_s_per_trajectory'], 3)} "
-                 f"({f(r['rollout_batch_peak_gib'], 1)} GiB) | {f(r['score_s_per_sample_call'], 3)} | "
+                 f"({f(r['rollout_batch_peak_gib'], 1)} GiB; est. {f(r['rollout_batch_estimate_gib'], 1)}) | {f(r['score_s_per_sample_call'], 3)} | "
                  f"{r['branch_calls_tp']} / {r['branch_calls_flow']} | {f(r['decode_s_per_image'], 3)} | "
                  f"{train('train_lora_gc')} | {train('train_lora')} | {train('train_full_gc')} | {train('train_full')} | "
                  f"{f(r['tflop_per_call'], 3)} | {f(r['achieved_tflops'], 1)} ({f(r['share_of_bf16_peak'], 2)}) | "

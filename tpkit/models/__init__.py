@@ -3,7 +3,9 @@
 A family module declares
   NAME, MODEL (its `base.Model` subclass), DEFAULTS (resolution, guidance, text_length, lora_targets,
   lora_targets_optional, sizes for doctor's estimates), BUILTIN (built-in model name -> overrides of
-  DEFAULTS), location(model) -> a built-in model's folder or None, resolve(model) -> a folder or hub
+  DEFAULTS), PUBLISHED (hub id -> transformer and VAE configs, text encoders' parameters: memory
+  estimates and benchmarks without the weights), location(model) -> a built-in model's folder or None,
+  resolve(model) -> a folder or hub
   id (building a built-in one), load(model, **base.load options) -> a `base.Model`,
 and MODEL implements sigmas(steps, resolution), encode(prompts, text_length),
 velocity(x, sigma, embeds, guidance[, transformer]), forwards(guidance) and channels(); decoding,

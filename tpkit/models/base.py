@@ -173,6 +173,22 @@ def local_folder(path: str) -> Path:
                          "pass a local model folder as the rollout's model") from None
 
 
+# The published VAE of SD3.5 and FLUX.1 (16 latent channels; 83.8 M parameters); the families differ in
+# scaling/shift factors only.
+VAE_CONFIG = dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+                  up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512], layers_per_block=2,
+                  latent_channels=16, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False)
+
+
+def bare_model(cls: type[Model], transformer, vae, model: str, device, dtype) -> Model:
+    """A family's `Model` around a transformer and a VAE alone (no text encoders, no scheduler): what
+    memory estimates and the full-size benchmark run the family's own `velocity` and `decode` on."""
+    from types import SimpleNamespace
+
+    pipe = SimpleNamespace(transformer=transformer, vae=vae, vae_scale_factor=2 ** (len(vae.config.block_out_channels) - 1))
+    return cls(pipe=pipe, model=model, device=torch.device(device), dtype=dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # Built-in models: built once from constructor arguments under $TPKIT_HOME
 # --------------------------------------------------------------------------------------------

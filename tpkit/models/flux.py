@@ -44,6 +44,15 @@ DEFAULTS = {"resolution": 512, "text_length": 128, "guidance": 3.5, "lora_target
             "lora_targets_optional": LORA_TARGETS_SINGLE,
             "sizes": {"latent_channels": 16, "vae_factor": 8, "prompt_sets": 1, "clip_tokens": 0, "text_dim": 4096,
                       "pooled_dim": 768, "lora_bytes_per_rank": 11_200_000}}
+# FLUX.1-dev's published configs (see sd3.PUBLISHED): transformer, VAE, text encoders (CLIP-L 123 M,
+# T5-XXL's encoder 4,762 M).
+PUBLISHED = {
+    "black-forest-labs/FLUX.1-dev": {
+        "transformer": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                            num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                            guidance_embeds=True, axes_dims_rope=[16, 56, 56]),
+        "vae": dict(base.VAE_CONFIG, scaling_factor=0.3611, shift_factor=0.1159), "text_params": 4_885_000_000},
+}
 BUILTIN = {TINY: {"resolution": 64, "sizes": {**DEFAULTS["sizes"], "text_dim": 64, "pooled_dim": 32,
                                              "lora_bytes_per_rank": 20_000}}}
 

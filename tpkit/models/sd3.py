@@ -46,6 +46,22 @@ DEFAULTS = {"resolution": 512, "text_length": 128, "guidance": 4.5, "lora_target
             # 1536x1536 linears of SD3.5-Medium in float32
             "sizes": {"latent_channels": 16, "vae_factor": 8, "prompt_sets": 2, "clip_tokens": 77, "text_dim": 4096,
                       "pooled_dim": 2048, "lora_bytes_per_rank": 3_000_000}}
+# The published models' configs (diffusers' transformer/config.json of each repository), for estimates
+# and benchmarks made without their weights: transformer, VAE, and the text encoders' parameters (CLIP-L
+# 123 M, OpenCLIP bigG 695 M, T5-XXL's encoder 4,762 M).
+_SD35 = dict(sample_size=128, patch_size=2, in_channels=16, attention_head_dim=64, joint_attention_dim=4096,
+             pooled_projection_dim=2048, out_channels=16, qk_norm="rms_norm")
+_SD35_VAE = dict(base.VAE_CONFIG, scaling_factor=1.5305, shift_factor=0.0609)
+PUBLISHED = {
+    "stabilityai/stable-diffusion-3.5-medium": {
+        "transformer": dict(_SD35, num_layers=24, num_attention_heads=24, caption_projection_dim=1536,
+                            pos_embed_max_size=384, dual_attention_layers=list(range(13))),
+        "vae": _SD35_VAE, "text_params": 5_580_000_000},
+    "stabilityai/stable-diffusion-3.5-large": {
+        "transformer": dict(_SD35, num_layers=38, num_attention_heads=38, caption_projection_dim=2432,
+                            pos_embed_max_size=192, dual_attention_layers=[]),
+        "vae": _SD35_VAE, "text_params": 5_580_000_000},
+}
 _TINY_SIZES = {**DEFAULTS["sizes"], "text_dim": 64, "pooled_dim": 64, "lora_bytes_per_rank": 20_000}
 BUILTIN = {TINY: {"resolution": 64, "text_length": 128, "sizes": _TINY_SIZES},
            # trained with 12 T5 tokens; guidance chosen on train-split prompts after pretraining (README)

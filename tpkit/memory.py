@@ -1,0 +1,260 @@
+"""Peak accelerator memory per process of each stage of a recipe, estimated before anything is loaded
+or downloaded (`tpkit doctor RECIPE` prints it).
+
+Weights and optimizer state come from parameter counts: the model's configs (its local folder, the hub
+cache, or the family's PUBLISHED configs) instantiated without memory. Activations come from running
+the family's own `velocity` (CFG included, at the stage's batch) and, for train, its backward through
+the LoRA (or every weight) with gradient checkpointing as the recipe sets it, on fake tensors
+(torch's FakeTensorMode: shapes and dtypes, no memory, no arithmetic), counting the bytes of tensor
+storage alive at once (`PeakMemory`, the same counter that measures real runs). So the estimate follows
+the code that will run, at full size, in seconds on a laptop.
+
+What it leaves out (the table says so): reward models (score, eval), the CUDA context and caching
+allocator's slack (~1-2 GB a GPU), NCCL buffers, and the difference between the CPU's and the GPU's
+attention kernels (both run without storing the attention matrix at these shapes; checked on the CPU
+against measured peaks of the tiny models, and on a GPU by bench/device/fullsize.sh).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from tpkit import models
+from tpkit.config import lora_targets
+from tpkit.models import base
+
+GiB = 2**30
+CLIP_TOKENS = 77  # SD3's CLIP tokens before the T5 ones in its prompt embeddings
+
+
+class PeakMemory(TorchDispatchMode):
+    """The most bytes of tensor storage that ops inside the block allocated and held at once (any device,
+    real or fake tensors). Storage that existed before (weights, inputs) and views of it are not counted.
+
+        with PeakMemory() as pm:
+            model(x).sum().backward()
+        pm.peak  # bytes
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(a.untyped_storage()) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self.live and key not in inputs:  # a new allocation, not a view
+                    self.live[key] = storage.nbytes()
+                    self.now += storage.nbytes()
+                    weakref.finalize(storage, self._free, key)
+        self.peak = max(self.peak, self.now)
+        return out
+
+
+@dataclass
+class Architecture:
+    """What the estimate needs of a model: its family, transformer and VAE configs, text encoders' parameters."""
+
+    family: str
+    transformer: dict
+    vae: dict
+    text_params: int
+    source: str  # where the configs came from
+
+
+@dataclass
+class StageMemory:
+    stage: str
+    parts: dict[str, int] = field(default_factory=dict)  # what -> bytes
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def architecture(model: str, family: str | None = None) -> Architecture | None:
+    """The model's configs: the family's PUBLISHED ones for a published hub id, else its local folder's
+    (a built-in model, a folder, or a hub id in the local cache); None when neither is at hand."""
+    name = family or models.family_of(model)
+    fam = models.family(name)
+    if model in getattr(fam, "PUBLISHED", {}):
+        p = fam.PUBLISHED[model]
+        return Architecture(name, p["transformer"], p["vae"], p["text_params"], "published configs")
+    try:  # a built-in model not built yet has no configs to read (doctor builds nothing)
+        folder = fam.location(model) if model in fam.BUILTIN else base.local_folder(model)
+    except Exception:  # not local, not cached: nothing to read without downloading
+        return None
+    read = lambda c: {k: v for k, v in json.loads((folder / c / "config.json").read_text()).items()  # noqa: E731
+                      if not k.startswith("_")}
+    try:
+        transformer, vae = read("transformer"), read("vae")
+    except OSError:
+        return None
+    return Architecture(name, transformer, vae, _text_params(folder), f"{folder}")
+
+
+def _text_params(folder: Path) -> int:
+    """Parameters of a pipeline folder's text encoders, from their configs (instantiated on the meta device)."""
+    import transformers
+
+    index = json.loads((folder / "model_index.json").read_text())
+    total = 0
+    for name, spec in index.items():
+        if name.startswith("text_encoder") and isinstance(spec, list) and spec[0] == "transformers":
+            config = transformers.AutoConfig.from_pretrained(folder / name)
+            with torch.device("meta"):
+                total += sum(p.numel() for p in getattr(transformers, spec[1])(config).parameters())
+    return total
+
+
+def build_model(arch: Architecture, dtype: torch.dtype):
+    """The family's bare `Model` (transformer + VAE) on fake tensors."""
+    import diffusers
+
+    cls = models.family(arch.family).MODEL
+    transformer_cls = getattr(diffusers, {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}[arch.family])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in the model's dtype (no float32 copy first)
+    try:
+        transformer = transformer_cls(**arch.transformer).eval().requires_grad_(False)
+        vae = diffusers.AutoencoderKL(**arch.vae).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(previous)
+    return base.bare_model(cls, transformer, vae, "estimate", "meta", dtype)
+
+
+def _embeddings(model, arch: Architecture, batch: int, text_length: int, dtype) -> dict:
+    joint, pooled = arch.transformer["joint_attention_dim"], arch.transformer["pooled_projection_dim"]
+    r = lambda *s: torch.zeros(*s, dtype=dtype)  # noqa: E731
+    if model.FAMILY == "sd3":
+        n = CLIP_TOKENS + text_length
+        return dict(prompt_embeds=r(batch, n, joint), pooled_prompt_embeds=r(batch, pooled),
+                    negative_prompt_embeds=r(batch, n, joint), negative_pooled_prompt_embeds=r(batch, pooled))
+    return dict(prompt_embeds=r(batch, text_length, joint), pooled_prompt_embeds=r(batch, pooled))
+
+
+@contextlib.contextmanager
+def flash_attention():
+    """Attention as the GPU runs it: a fused kernel that stores the output and its log-sum-exp, never the
+    N x N attention matrix. On the meta device PyTorch would otherwise decompose it into the plain
+    math (and in float32), an overestimate by the attention matrices of every layer."""
+    import torch.nn.functional as F
+
+    plain = F.scaled_dot_product_attention
+
+    def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or dropout_p or enable_gqa or query.device.type != "meta":
+            return plain(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                         enable_gqa=enable_gqa)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, is_causal=is_causal,
+                                                                         scale=scale)[0]
+
+    F.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = plain
+
+
+def velocity_peak(model, arch: Architecture, batch: int, resolution: int, text_length: int, guidance: float,
+                  train: bool = False, autocast: torch.dtype | None = None) -> int:
+    """Peak bytes allocated by one `velocity` call (train: and its backward), beyond the weights."""
+    x = torch.zeros(batch, *model.latent_shape(resolution))
+    emb = _embeddings(model, arch, batch, text_length, model.dtype)
+    cast = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+    grad = contextlib.nullcontext() if train else torch.no_grad()
+    with grad, PeakMemory() as pm:
+        with cast:
+            v = model.velocity(x, torch.full((batch,), 0.5), emb, guidance)
+        if train:
+            v.square().mean().backward()
+    return pm.peak
+
+
+def decode_peak(model, batch: int, resolution: int) -> int:
+    """Peak bytes of the VAE decoding a batch of latents (`Model.decode` less its uint8 copy to the host)."""
+    vae = model.pipe.vae
+    with torch.no_grad(), PeakMemory() as pm:
+        vae.decode(torch.zeros(batch, *model.latent_shape(resolution), dtype=vae.dtype), return_dict=False)
+    return pm.peak
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def estimate(recipe, arch: Architecture, cuda: bool = True) -> list[StageMemory]:
+    """Peak memory per process of rollout, score, train and eval (eval_every > 0) for a recipe, with the
+    recipe's dtypes as they resolve on a GPU (cuda=True) or on this CPU."""
+    from tpkit.runtime import pick_dtype
+
+    ro, sc, ev = recipe.rollout, recipe.score, recipe.eval
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = pick_dtype(ro.dtype, device)
+    res, text_length = ro.resolution, ro.max_sequence_length or models.default(ro.model, "text_length", arch.family)
+    out = []
+    with torch.device("meta"), flash_attention():
+        model = build_model(arch, dtype)
+        P = sum(p.numel() for p in model.transformer.parameters())
+        V = sum(p.numel() for p in model.pipe.vae.parameters())
+        b = _bytes(dtype)
+        act = lambda batch, **kw: velocity_peak(model, arch, batch, res, text_length, ro.guidance, **kw)  # noqa: E731
+        # 1. rollout: the whole pipeline; a batch of velocity calls, the final latents decoded at the same batch.
+        out.append(StageMemory("rollout", {"transformer": P * b, "text encoders": arch.text_params * b, "VAE": V * b,
+                                           "activations": max(act(ro.batch_size), decode_peak(model, ro.batch_size, res))}))
+        # 2. score: no text encoders; branch batches, then decode batches (reward models not counted).
+        out.append(StageMemory("score", {"transformer": P * b, "VAE": V * b,
+                                          "activations": max(act(sc.batch_size), decode_peak(model, sc.decode_batch_size, res))}))
+        # 3. eval: like rollout, at the evaluation's batch (traced before train makes the model trainable).
+        if recipe.eval_every:
+            eb = ev.batch_size
+            evaluation = StageMemory("eval", {"transformer": P * b, "text encoders": arch.text_params * b, "VAE": V * b,
+                                              "activations": max(act(eb), decode_peak(model, eb, res))})
+        # 4. train: the trained weights (float32), their gradients and AdamW's moments, the reference, activations.
+        out.append(train_memory(model, arch, recipe, act, P, b))
+    return out + ([evaluation] if recipe.eval_every else [])
+
+
+def train_memory(model, arch: Architecture, recipe, act, P: int, b: int) -> StageMemory:
+    """Train's memory on `model` (made trainable here, as train.py does): P transformer parameters of b
+    bytes; act(batch, train=True, autocast=...) traces a micro-batch's forward and backward."""
+    tr, ro = recipe.train, recipe.rollout
+    micro = tr.micro_batch_size or ro.batch_size
+    moments = 2 if tr.optimizer == "adamw8bit" else 8  # two moments a parameter: float32, or 8-bit
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(tr.mixed_precision)
+    t = model.transformer
+    if tr.gradient_checkpointing:
+        t.enable_gradient_checkpointing()
+    if tr.finetune == "full":
+        base.make_fully_trainable(t)
+        model.dtype = torch.float32  # the trained weights are float32 masters (train.py)
+        parts = {"trained weights (float32)": P * 4, "optimizer moments": P * moments}
+        if tr.beta > 0:
+            parts["KL reference (frozen copy)"] = P * b
+    else:
+        base.add_trainable_lora(t, tr.lora_rank, tr.lora_alpha, lora_targets(tr.lora_targets, arch.family))
+        lora = sum(p.numel() for p in t.parameters() if p.requires_grad)
+        parts = {"transformer": P * b, "LoRA (float32) and moments": lora * (4 + moments)}
+    # gradients are allocated by the backward pass, so the traced peak holds them
+    parts["activations and gradients"] = act(micro, train=True, autocast=autocast)
+    return StageMemory("train", parts)
+
+
+def human(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
