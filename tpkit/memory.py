@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 from tpkit import models
 from tpkit.config import lora_targets
 from tpkit.models import base
+from tpkit.runtime import pick_dtype
 
 GiB = 2**30
 CLIP_TOKENS = 77  # SD3's CLIP tokens before the T5 ones in its prompt embeddings
@@ -202,8 +203,6 @@ def _bytes(dtype: torch.dtype) -> int:
 def estimate(recipe, arch: Architecture, cuda: bool = True) -> list[StageMemory]:
     """Peak memory per process of rollout, score, train and eval (eval_every > 0) for a recipe, with the
     recipe's dtypes as they resolve on a GPU (cuda=True) or on this CPU."""
-    from tpkit.runtime import pick_dtype
-
     ro, sc, ev = recipe.rollout, recipe.score, recipe.eval
     device = torch.device("cuda" if cuda else "cpu")
     dtype = pick_dtype(ro.dtype, device)
