@@ -94,3 +94,49 @@ def test_doctor_warns_where_a_stage_does_not_fit_the_gpu():
     train = next(c for c in ctx.checks if c.name == "memory: train")
     assert not train.ok and "trained weights (float32) 8.4 GiB" in train.detail  # 2.24 B x 4 bytes
     assert "optimizer moments 16.7 GiB" in train.detail and "KL reference" in train.detail
+
+
+@pytest.mark.parametrize("kind", ["velocity", "decode", "train"])
+def test_after_an_oom_the_suggested_batch_is_the_largest_the_estimate_fits(kind, tpkit_home):
+    """suggest_batch on a loaded tiny-sd3: with a GPU of exactly (weights + the peak at batch 3), the
+    largest batch that fits is 3; a GPU smaller than batch 1 needs gives None (nothing to suggest)."""
+    from tpkit.config import TrainConfig
+
+    model = models.load("tiny-sd3", text_encoders=False)
+    arch = memory.loaded_architecture(model)
+    cfg = TrainConfig(rollout="r", advantages="a", out="o", lora_rank=4, lora_alpha=8, beta=0.0).validate()
+    cfg.lora_targets = list(models.default("tiny-sd3", "lora_targets"))
+    res, text = 64, 16
+    with torch.device("meta"), memory.flash_attention():
+        meta = memory.build_model(arch, model.dtype)
+        if kind == "velocity":
+            need = lambda b: memory.resident_bytes(model) + memory.velocity_peak(meta, arch, b, res, text, 4.5)  # noqa: E731
+        elif kind == "decode":
+            need = lambda b: memory.resident_bytes(model) + memory.decode_peak(meta, b, res)  # noqa: E731
+        else:
+            def need(b):
+                m = memory.build_model(arch, model.dtype)
+                act = lambda batch, **kw: memory.velocity_peak(m, arch, batch, res, text, 4.5, **kw)  # noqa: E731
+                recipe = SimpleNamespace(train=cfg, rollout=SimpleNamespace(batch_size=b))
+                P = sum(p.numel() for p in m.transformer.parameters())
+                return memory.train_memory(m, arch, recipe, act, P, 4).total
+        limit = need(3)
+        assert need(4) > limit  # the peak grows with the batch
+    train = cfg if kind == "train" else None
+    assert memory.suggest_batch(model, kind, 8, res, text, 4.5, train_cfg=train, limit=limit) == 3
+    assert memory.suggest_batch(model, kind, 8, res, text, 4.5, train_cfg=train, limit=1) is None
+    assert memory.suggest_batch(model, kind, 8, res, text, 4.5, train_cfg=train) is None  # a CPU: no GPU to fit
+
+
+def test_the_oom_error_names_the_fitting_value_or_half(capsys):
+    from tpkit import runtime
+    from tpkit.errors import OutOfMemory
+
+    def oom(fits):
+        with pytest.raises(OutOfMemory) as e, runtime.memory_options("score", ("score.batch_size", 64), fits=fits):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return e.value.fix
+
+    assert "score.batch_size = 64 (e.g. 24: the memory model's largest that fits)" in oom(lambda key, value: 24)
+    assert "score.batch_size = 64 (e.g. 32)" in oom(lambda key, value: None)
+    assert "score.batch_size = 64 (e.g. 32)" in oom(lambda key, value: 1 / 0)  # a failing estimate hides nothing

@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from tpkit import formulas, layout, models, runtime
+from tpkit import formulas, layout, memory, models, runtime
 from tpkit.config import EvalConfig, to_dict
 from tpkit.errors import ConfigError, InputError, RewardError
 from tpkit.geneval import detectors
@@ -175,7 +175,8 @@ def _run(cfg: EvalConfig, ident: dict, prompts: list[layout.Prompt], folders: li
         for i in mine:
             _write_metadata(prompt_dir(out, i), prompts[i].metadata)
         with track(len(mine), f"eval: generate ({cfg.images_per_prompt} images per prompt)") as advance, \
-                runtime.memory_options("eval", ("eval.batch_size", cfg.batch_size)):
+                runtime.memory_options("eval", ("eval.batch_size", cfg.batch_size), fits=lambda key, value: memory.suggest_batch(
+                    model, "velocity", value, cfg.resolution, cfg.max_sequence_length, cfg.guidance)):
             for c in batches:
                 generate(model, prompts, c, cfg, out, phases)
                 advance(sum(map(unfinished, c)))

@@ -257,3 +257,73 @@ def train_memory(model, arch: Architecture, recipe, act, P: int, b: int) -> Stag
 
 def human(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
+
+
+# --------------------------------------------------------------------------------------------
+# Out of memory: the largest batch the estimate says fits (runtime.memory_options names it)
+# --------------------------------------------------------------------------------------------
+
+FIT_SHARE = 0.9  # of the GPU's memory: the rest for the CUDA context and the allocator's fragments
+
+
+def loaded_architecture(model) -> Architecture:
+    """A loaded model's own configs (what it runs with, whatever its folder)."""
+    clean = lambda c: {k: v for k, v in dict(c).items() if not k.startswith("_")}  # noqa: E731
+    return Architecture(model.FAMILY, clean(model.transformer.config), clean(model.pipe.vae.config), 0, "loaded")
+
+
+def resident_bytes(model) -> int:
+    """Bytes of every weight and buffer a loaded pipeline holds (transformer, VAE, text encoders loaded)."""
+    seen, total = set(), 0
+    for part in vars(model.pipe).values() if not hasattr(model.pipe, "components") else model.pipe.components.values():
+        if isinstance(part, torch.nn.Module):
+            for t in (*part.parameters(), *part.buffers()):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+    return total
+
+
+def largest_fitting(limit: int, fixed: int, peak, upto: int) -> int | None:
+    """The largest batch b < upto with fixed + peak(b) <= limit (peak grows with b), None if not even 1."""
+    lo, hi = 0, upto - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fixed + peak(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo or None
+
+
+def suggest_batch(model, kind: str, value: int, resolution: int, text_length: int, guidance: float,
+                  train_cfg=None, limit: int | None = None) -> int | None:
+    """After an out-of-memory at batch `value`: the largest smaller batch the estimate says fits
+    FIT_SHARE of the model's GPU (`limit`: bytes, else the GPU's), for a `kind` of work: "velocity"
+    (rollout, score's branches, eval), "decode" (the VAE) or "train" (a micro-batch's forward and
+    backward, train_cfg the TrainConfig). None on a CPU, or where even 1 does not fit."""
+    if limit is None:
+        if model.device.type != "cuda":
+            return None
+        limit = int(FIT_SHARE * torch.cuda.get_device_properties(model.device).total_memory)
+    arch = loaded_architecture(model)
+    with torch.device("meta"), flash_attention():
+        meta = build_model(arch, model.dtype)
+        P = sum(p.numel() for p in meta.transformer.parameters())
+        if kind == "train":
+            import dataclasses
+            from types import SimpleNamespace
+
+            def peak(b: int) -> int:
+                m = build_model(arch, model.dtype)
+                act = lambda batch, **kw: velocity_peak(m, arch, batch, resolution, text_length, guidance, **kw)  # noqa: E731
+                recipe = SimpleNamespace(train=dataclasses.replace(train_cfg, micro_batch_size=b),
+                                         rollout=SimpleNamespace(batch_size=b))
+                return train_memory(m, arch, recipe, act, P, _bytes(model.dtype)).total
+
+            return largest_fitting(limit, 0, peak, value)
+        fixed = resident_bytes(model)
+        if kind == "decode":
+            return largest_fitting(limit, fixed, lambda b: decode_peak(meta, b, resolution), value)
+        return largest_fitting(limit, fixed, lambda b: velocity_peak(meta, arch, b, resolution, text_length, guidance),
+                               value)

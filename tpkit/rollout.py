@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tpkit import formulas, layout, models, runtime
+from tpkit import formulas, layout, memory, models, runtime
 from tpkit.config import RolloutConfig, to_dict
 from tpkit.errors import InputError
 from tpkit.layout import Prompt, PromptRecord, ShardWriter, TrajectoryRecord
@@ -167,7 +167,8 @@ def _run(cfg: RolloutConfig, ident: dict, prompts: list[Prompt]) -> dict | None:
 
         # 3. Sample and write each shard (atomically: a crash leaves whole shards only).
         with track(sum(len(shards[i]) for i in todo) * cfg.group_size, "rollout") as advance, \
-                runtime.memory_options("rollout", ("rollout.batch_size", cfg.batch_size)):
+                runtime.memory_options("rollout", ("rollout.batch_size", cfg.batch_size), fits=lambda key, value: memory.suggest_batch(
+                    model, "velocity", value, cfg.resolution, cfg.max_sequence_length, cfg.guidance)):
             for i in todo:
                 path = out / layout.shard_name(cfg.rank, i)
                 write_shard(model, cfg, shards[i], sigmas, start, path, i, advance)

@@ -10,7 +10,7 @@ import contextlib
 import io
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
@@ -94,17 +94,26 @@ def set_cpu_threads() -> int:
 
 
 @contextlib.contextmanager
-def memory_options(stage: str, *options: tuple[str, int], also: str = "") -> Iterator[None]:
+def memory_options(stage: str, *options: tuple[str, int], also: str = "",
+                   fits: Callable[[str, int], int | None] | None = None) -> Iterator[None]:
     """Turn torch's out-of-memory error inside a stage into one line that names the options setting the
-    peak, with half their value to try (`options`: (recipe key, value)), and `also` (another remedy).
-    Nothing is retried with smaller batches behind the user's back: the work already written is kept, and
-    a rerun with the lowered option continues it."""
+    peak (`options`: (recipe key, value)), each with the value to try: fits(key, value), the largest the
+    memory model says fits this GPU (`tpkit.memory.suggest_batch`), else half; and `also` (another
+    remedy). Nothing is retried with smaller batches behind the user's back: the work already written is
+    kept, and a rerun with the lowered option continues it."""
     import torch
+
+    def value_to_try(key: str, value: int) -> str:
+        try:  # an estimate must never hide the error it explains
+            fitting = fits(key, value) if fits else None
+        except Exception:
+            fitting = None
+        return f"e.g. {fitting}: the memory model's largest that fits" if fitting else f"e.g. {max(value // 2, 1)}"
 
     try:
         yield
     except torch.OutOfMemoryError as e:
-        tried = " or ".join(f"{key} = {value} (e.g. {max(value // 2, 1)})" for key, value in options)
+        tried = " or ".join(f"{key} = {value} ({value_to_try(key, value)})" for key, value in options)
         raise OutOfMemory(f"{stage} ran out of accelerator memory: {str(e).splitlines()[0][:120]}",
                           f"lower {tried}{also}; finished work is kept, rerun to continue") from None
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tpkit import formulas, layout, models, runtime
+from tpkit import formulas, layout, memory, models, runtime
 from tpkit.config import ScoreConfig, to_dict
 from tpkit.errors import InputError, RewardError
 from tpkit.layout import PromptRecord, TrajectoryRecord
@@ -344,7 +344,10 @@ def _run(cfg: ScoreConfig, rewards: list[Reward], rollout: dict, shards: list[Pa
         try:
             # 4. Per shard: complete branches, decode, score; write Parquet + stats atomically.
             with track(total, "score branches") as advance, runtime.memory_options(
-                    "score", ("score.batch_size", cfg.batch_size), ("score.decode_batch_size", cfg.decode_batch_size)):
+                    "score", ("score.batch_size", cfg.batch_size), ("score.decode_batch_size", cfg.decode_batch_size),
+                    fits=lambda key, value: memory.suggest_batch(
+                        scorer.model, "decode" if key.endswith("decode_batch_size") else "velocity", value,
+                        rc["resolution"], rc["max_sequence_length"], rc["guidance"]) if scorer.model else None):
                 for shard in todo:
                     counts_before, seconds_before = vars(scorer.counters).copy(), dict(scorer.phases.seconds)
                     with scorer.phases("read"):

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpkit import formulas, layout, models, runtime, tracking
+from tpkit import formulas, layout, memory, models, runtime, tracking
 from tpkit.config import TrainConfig, lora_targets, to_dict
 from tpkit.errors import InputError, TpkitError
 from tpkit.models import base as model_base
@@ -298,8 +298,12 @@ def _run(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict, ident: dict
     # 3. Optimizer steps: each accumulates its share of micro-batches, then clips and steps.
     steps = plan_steps(batches, cfg, st.round_start) if not no_op else []
     computed = [[b for b in s if b.has_gradient(cfg.beta)] for s in steps]
-    with runtime.memory_options("train", ("train.micro_batch_size", cfg.micro_batch_size or rollout["config"]["batch_size"]),
-                                also="" if cfg.gradient_checkpointing else ", or set train.gradient_checkpointing = true"):
+    rc = rollout["config"]
+    with runtime.memory_options("train", ("train.micro_batch_size", cfg.micro_batch_size or rc["batch_size"]),
+                                also="" if cfg.gradient_checkpointing else ", or set train.gradient_checkpointing = true",
+                                fits=lambda key, value: memory.suggest_batch(
+                                    st.model, "train", value, rc["resolution"], rc["max_sequence_length"], rc["guidance"],
+                                    train_cfg=cfg)):
         _train(st, cfg, steps, computed, phases)
 
     # 4. A round whose every optimizer step was non-finite learned nothing: an error, not "done".
