@@ -214,9 +214,12 @@ def estimate(recipe, arch: Architecture, cuda: bool = True) -> list[StageMemory]
         V = sum(p.numel() for p in model.pipe.vae.parameters())
         b = _bytes(dtype)
         act = lambda batch, **kw: velocity_peak(model, arch, batch, res, text_length, ro.guidance, **kw)  # noqa: E731
-        # 1. rollout: the whole pipeline; a batch of velocity calls, the final latents decoded at the same batch.
-        out.append(StageMemory("rollout", {"transformer": P * b, "text encoders": arch.text_params * b, "VAE": V * b,
-                                           "activations": max(act(ro.batch_size), decode_peak(model, ro.batch_size, res))}))
+        # 1. rollout: the whole pipeline encodes every prompt, then the text encoders go (rollout.py) before the
+        #    batches of velocity calls and the decoding of their final latents (at the same batch).
+        sampling = max(act(ro.batch_size), decode_peak(model, ro.batch_size, res))
+        out.append(StageMemory("rollout", {"transformer": P * b, "VAE": V * b,
+                                           "text encoders (encoding), then activations (sampling)":
+                                               max(arch.text_params * b, sampling)}))
         # 2. score: no text encoders; branch batches, then decode batches (reward models not counted).
         out.append(StageMemory("score", {"transformer": P * b, "VAE": V * b,
                                           "activations": max(act(sc.batch_size), decode_peak(model, sc.decode_batch_size, res))}))

@@ -21,6 +21,7 @@ from tpkit import formulas, layout, memory, models, runtime
 from tpkit.config import RolloutConfig, to_dict
 from tpkit.errors import InputError
 from tpkit.layout import Prompt, PromptRecord, ShardWriter, TrajectoryRecord
+from tpkit.models import base as model_base
 from tpkit.runtime import png_bytes
 from tpkit.timing import Phases
 from tpkit.ui import console, track
@@ -104,12 +105,22 @@ def trajectory_meta(cfg: RolloutConfig, prompt: Prompt, member: int, seed: int, 
     }
 
 
-def write_shard(model, cfg: RolloutConfig, prompts: list[Prompt], sigmas: list[float], start: int, path: Path,
-                shard: int, advance=lambda n: None) -> None:
-    """Sample every member of these prompts and write them as one shard (with its stats sidecar)."""
+def encode_shard(model, cfg: RolloutConfig, prompts: list[Prompt]) -> tuple[dict[str, torch.Tensor], float]:
+    """A shard's prompt embeddings (one text-encoder batch per shard, as always: the stored embeddings do
+    not depend on which shards a rerun still has to do), kept on the CPU; and the seconds it took."""
     phases = Phases(model.device)
     with phases("encode"):
-        emb = model.encode([p.prompt for p in prompts], cfg.max_sequence_length)
+        emb = {k: e.cpu() for k, e in model.encode([p.prompt for p in prompts], cfg.max_sequence_length).items()}
+    return emb, phases.seconds["encode"]
+
+
+def write_shard(model, cfg: RolloutConfig, prompts: list[Prompt], sigmas: list[float], start: int, path: Path,
+                shard: int, encoded: tuple[dict[str, torch.Tensor], float], advance=lambda n: None) -> None:
+    """Sample every member of these prompts and write them as one shard (with its stats sidecar);
+    `encoded`: `encode_shard`'s embeddings and seconds."""
+    phases = Phases(model.device)
+    phases.seconds["encode"] = encoded[1]
+    emb = {k: e.to(model.device) for k, e in encoded[0].items()}
     writer = ShardWriter()
     for i, p in enumerate(prompts):
         writer.add_prompt(PromptRecord(p.prompt_id, p.prompt, p.metadata, {k: e[i: i + 1] for k, e in emb.items()}))
@@ -159,11 +170,15 @@ def _run(cfg: RolloutConfig, ident: dict, prompts: list[Prompt]) -> dict | None:
 
     todo = [i for i in range(len(shards)) if i % cfg.world_size == cfg.rank and not existing(i)]
 
-    # 2. Load the model with its text encoders (and the policy's LoRA, from the previous round).
+    # 2. Load the model with its text encoders (and the policy's LoRA, from the previous round); encode
+    #    every prompt this rank samples, then let the text encoders go: sampling never needs them, and
+    #    on SD3.5 they are more than half of the weights (T5-XXL).
     if todo:
         model = models.load(cfg.model, cfg.family, device=cfg.device, dtype=cfg.dtype, text_encoders=True, lora=cfg.lora,
                             reuse=True)
         sigmas = model.sigmas(cfg.steps, cfg.resolution)
+        encoded = {i: encode_shard(model, cfg, shards[i]) for i in todo}
+        model_base.drop_text_encoders(model)
 
         # 3. Sample and write each shard (atomically: a crash leaves whole shards only).
         with track(sum(len(shards[i]) for i in todo) * cfg.group_size, "rollout") as advance, \
@@ -171,7 +186,7 @@ def _run(cfg: RolloutConfig, ident: dict, prompts: list[Prompt]) -> dict | None:
                     model, "velocity", value, cfg.resolution, cfg.max_sequence_length, cfg.guidance)):
             for i in todo:
                 path = out / layout.shard_name(cfg.rank, i)
-                write_shard(model, cfg, shards[i], sigmas, start, path, i, advance)
+                write_shard(model, cfg, shards[i], sigmas, start, path, i, encoded.pop(i), advance)
 
     # 4. The last rank to finish writes the manifest, summing every shard's stats.
     done = [existing(i) for i in range(len(shards))]
