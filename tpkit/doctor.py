@@ -544,10 +544,10 @@ def _check_memory(ctx: _Context, recipe) -> None:
     gpu = min((ctx.torch.cuda.get_device_properties(i).total_memory for i in range(ctx.torch.cuda.device_count())),
               default=None) if ctx.cuda else None
     for s in memory.estimate(recipe, arch, cuda=cuda):
-        parts = " + ".join(f"{k} {memory.human(v)}" for k, v in s.parts.items())
+        parts = " + ".join(f"{k} {layout.human_bytes(v)}" for k, v in s.parts.items())
         fits = gpu is None or s.total <= gpu
-        where = f" of {memory.human(gpu)}" if gpu else (" (estimated for a GPU, bf16)" if not ctx.cuda and cuda else "")
-        ctx.add(f"memory: {s.stage}", fits, f"{memory.human(s.total)} per process{where}: {parts}",
+        where = f" of {layout.human_bytes(gpu)}" if gpu else (" (estimated for a GPU, bf16)" if not ctx.cuda and cuda else "")
+        ctx.add(f"memory: {s.stage}", fits, f"{layout.human_bytes(s.total)} per process{where}: {parts}",
                 f"{_MEMORY_FIX[s.stage]} (per-process estimate; reward models and the CUDA context come on top)",
                 level="warning" if not fits else "info")
 

@@ -258,10 +258,6 @@ def train_memory(model, arch: Architecture, recipe, act, P: int, b: int) -> Stag
     return StageMemory("train", parts)
 
 
-def human(n: int) -> str:
-    return f"{n / GiB:.1f} GiB"
-
-
 # --------------------------------------------------------------------------------------------
 # Out of memory: the largest batch the estimate says fits (runtime.memory_options names it)
 # --------------------------------------------------------------------------------------------
