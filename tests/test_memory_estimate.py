@@ -161,3 +161,13 @@ def test_rollout_samples_without_its_text_encoders(two_prompts, tmp_path, monkey
                               window_range=[0, 3], prompts_per_shard=1))
     assert seen and all(all(s) for s in seen)
     assert [key[1] for key in base._CACHE] == [False]  # (key, has text encoders, has VAE)
+
+
+def test_doctor_counts_a_full_models_weights_in_the_disk_a_round_writes():
+    """finetune = full writes the float32 transformer and AdamW's two moments every round: 12 bytes a
+    parameter, 26.9 GB for SD3.5-Medium's 2.24 B (a LoRA round: well under 1 GB)."""
+    lora = load_recipe(ROOT / "pipelines" / "sd35m-tpgrpo-pickscore.toml")
+    full = load_recipe(ROOT / "pipelines" / "sd35m-tpgrpo-pickscore.toml", ["train.finetune=full", "train.ema=false"])
+    (a, _, how_a), (b, _, how_b) = doctor.estimate_round_bytes(lora, True), doctor.estimate_round_bytes(full, True)
+    assert b - a == pytest.approx(2_243_171_520 * 12 - lora.train.lora_rank * 3_000_000 * 4, rel=1e-6)
+    assert "model/ (float32) and optimizer state" in how_b and "adapter/optimizer" in how_a

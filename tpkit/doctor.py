@@ -500,7 +500,8 @@ def estimate_round_bytes(recipe, cuda: bool) -> tuple[int, int, str] | None:
 
     Per trajectory: (K + 1 states + K velocities + final latent) x C x h x w float32 plus the final
     PNG (at most 3 bytes a pixel); per prompt, its and the empty prompt's embeddings (77 + T5 tokens) in
-    the model's dtype; per round, the LoRA adapter with its optimizer (2x) and EMA state."""
+    the model's dtype; per round, the LoRA adapter with its optimizer (2x) and EMA state, or with
+    finetune = full the float32 model/ and AdamW's moments (`tpkit.memory.transformer_params`)."""
     ro, tr = recipe.rollout, recipe.train
     n = count_prompts(ro.prompts) if ro.prompts else None
     if not n:
@@ -513,10 +514,17 @@ def estimate_round_bytes(recipe, cuda: bool) -> tuple[int, int, str] | None:
     per_traj = (2 * k + 2) * latent + res * res * 3 + 200 * (k + 1)  # + its score rows
     dtype_bytes = 4 if (ro.dtype in ("float32", "fp32") or (ro.dtype == "auto" and not cuda)) else 2
     per_prompt = sz["prompt_sets"] * ((sz["clip_tokens"] + ro.max_sequence_length) * sz["text_dim"] + sz["pooled_dim"]) * dtype_bytes
-    train = tr.lora_rank * sz["lora_bytes_per_rank"] * (3 + (1 if tr.ema else 0))
+    train, what = tr.lora_rank * sz["lora_bytes_per_rank"] * (3 + (1 if tr.ema else 0)), "adapter/optimizer"
+    if tr.finetune == "full":
+        from tpkit import memory
+
+        arch = memory.architecture(ro.model, ro.family)
+        moments = 2 if tr.optimizer == "adamw8bit" else 8
+        train = memory.transformer_params(arch) * (4 + moments) if arch else 0
+        what = "model/ (float32) and optimizer state" if arch else "model/ (size unknown: no configs here)"
     total = trajectories * per_traj + prompts * per_prompt + train
     how = (f"{trajectories} trajectories x {layout.human_bytes(per_traj)} + {prompts} prompts x {layout.human_bytes(per_prompt)} embeddings"
-           f" + {layout.human_bytes(train)} adapter/optimizer")
+           f" + {layout.human_bytes(train)} {what}")
     return total, trajectories * (2 * k + 2) * latent + trajectories * res * res * 3, how
 
 

@@ -140,6 +140,12 @@ def build_model(arch: Architecture, dtype: torch.dtype):
     return base.bare_model(cls, transformer, vae, "estimate", "meta", dtype)
 
 
+def transformer_params(arch: Architecture) -> int:
+    """Parameters of the transformer these configs build (on the meta device: no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(arch, torch.bfloat16).transformer.parameters())
+
+
 def _embeddings(model, arch: Architecture, batch: int, text_length: int, dtype) -> dict:
     joint, pooled = arch.transformer["joint_attention_dim"], arch.transformer["pooled_projection_dim"]
     r = lambda *s: torch.zeros(*s, dtype=dtype)  # noqa: E731
