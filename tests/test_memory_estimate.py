@@ -171,3 +171,26 @@ def test_doctor_counts_a_full_models_weights_in_the_disk_a_round_writes():
     (a, _, how_a), (b, _, how_b) = doctor.estimate_round_bytes(lora, True), doctor.estimate_round_bytes(full, True)
     assert b - a == pytest.approx(2_243_171_520 * 12 - lora.train.lora_rank * 3_000_000 * 4, rel=1e-6)
     assert "model/ (float32) and optimizer state" in how_b and "adapter/optimizer" in how_a
+
+
+def test_the_next_rollout_of_the_process_reuses_the_text_encoders_it_let_go(two_prompts, tmp_path, monkeypatch):
+    """The text encoders rollout frees wait on the CPU for the next load of the same ones (next round's
+    rollout in `tpkit run`): the very same modules, not read from disk again, and the same embeddings."""
+    from tpkit import rollout
+    from tpkit.config import RolloutConfig
+
+    used, real = [], rollout.encode_shard
+
+    def encode_shard(model, cfg, prompts):
+        used.append(model.pipe.text_encoder_3)
+        return real(model, cfg, prompts)
+
+    monkeypatch.setattr(rollout, "encode_shard", encode_shard)
+    cfg = dict(prompts=str(two_prompts), group_size=2, steps=4, window_size=3, window_range=[0, 3], prompts_per_shard=2)
+    rollout.run(RolloutConfig(out=str(tmp_path / "a"), **cfg))
+    base.release()  # as train does between rounds: the cached pipeline goes, the text encoders stay on the CPU
+    assert len(base._TEXT_ENCODERS) == 1
+    rollout.run(RolloutConfig(out=str(tmp_path / "b"), **cfg))
+    assert len(used) == 2 and used[0] is used[1]
+    a, b = (sorted((tmp_path / d).glob("shard-*.tar")) for d in ("a", "b"))
+    assert [f.read_bytes() for f in a] == [f.read_bytes() for f in b]  # same seed: the same shards, bit for bit

@@ -231,6 +231,16 @@ def tiny_tokenizer():
 # --------------------------------------------------------------------------------------------
 
 _CACHE: dict[tuple, Model] = {}  # the last frozen (inference) pipeline, reused by the next inference stage
+# Text encoders rollout let go (`drop_text_encoders`), kept on the CPU for the next load of the same ones
+# in this process (the next round's rollout, an evaluation): T5-XXL is not read from disk every round.
+_TEXT_ENCODERS: dict[tuple, dict[str, torch.nn.Module]] = {}
+
+
+def _text_key(cls: type[Model], path: str, dtype: torch.dtype) -> tuple:
+    """What identifies a pipeline's text encoders: their folder (a fully fine-tuned model/ links to its
+    base's), or the hub id; and the dtype."""
+    folder = Path(path).expanduser() / "text_encoder"
+    return cls.FAMILY, str(folder.resolve()) if folder.exists() else path, str(dtype)
 
 
 def release() -> None:
@@ -270,6 +280,8 @@ def load(cls: type[Model], model: str, path: str, device: str = "auto", dtype: s
         tune_cpu_allocator()
         set_cpu_threads()
     skip = {} if text_encoders else {k: None for k in cls.TEXT_COMPONENTS}
+    if text_encoders:  # the ones a rollout of this process let go, instead of reading them again
+        skip.update(_TEXT_ENCODERS.pop(_text_key(cls, path, dt), {}))
     if not vae:
         skip["vae"] = None
     pipe = hub.load(getattr(diffusers, cls.PIPELINE).from_pretrained, path, "model",
@@ -292,11 +304,16 @@ def load(cls: type[Model], model: str, path: str, device: str = "auto", dtype: s
 
 
 def drop_text_encoders(m: Model) -> None:
-    """Free a loaded model's text encoders (rollout, once every prompt is encoded: on SD3.5 they are 10 of
-    its 17 GB in bf16); a cached pipeline becomes one without them, so no later stage expects them."""
-    for name in m.TEXT_COMPONENTS:
-        if isinstance(getattr(m.pipe, name, None), torch.nn.Module):
-            setattr(m.pipe, name, None)
+    """Free a loaded model's accelerator memory of its text encoders (rollout, once every prompt is
+    encoded: on SD3.5 they are 10 of its 15 GB in bf16). They move to the CPU, where the next `load`
+    of the same ones in this process takes them (`_TEXT_ENCODERS`; one set is kept); a cached pipeline
+    becomes one without them, so no later stage expects them."""
+    parts = {name: getattr(m.pipe, name) for name in m.TEXT_COMPONENTS
+             if isinstance(getattr(m.pipe, name, None), torch.nn.Module)}
+    _TEXT_ENCODERS.clear()
+    _TEXT_ENCODERS[_text_key(type(m), m.path, m.dtype)] = {name: part.to("cpu") for name, part in parts.items()}
+    for name in parts:
+        setattr(m.pipe, name, None)
     for key, cached in list(_CACHE.items()):
         if cached is m:
             del _CACHE[key]
