@@ -9,6 +9,7 @@ so formulas, shards and train never see a family's packing.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -103,21 +104,10 @@ class Model:
         import diffusers
 
         state = transformer_or_state if isinstance(transformer_or_state, dict) else lora_state(transformer_or_state)
-        folder = Path(folder)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
-        try:
-            os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700 whatever the umask
+        with _written_atomically(folder) as tmp:
             getattr(diffusers, self.PIPELINE).save_lora_weights(
                 tmp, transformer_lora_layers={k: v.detach().cpu() for k, v in state.items()},
                 transformer_lora_adapter_metadata=config.to_dict())
-            for f in tmp.iterdir():  # safetensors writes 0600 files whatever the umask
-                os.chmod(f, 0o666 & ~umask())
-            if folder.exists():
-                shutil.rmtree(folder)
-            os.replace(tmp, folder)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
     def save_model(self, transformer, folder: Path) -> None:
@@ -126,14 +116,8 @@ class Model:
         every other component a link to the model this one was loaded from (nothing large copied), and
         MODEL_NOTE naming the base model (the KL reference of later rounds). `Pipeline.from_pretrained(folder)`
         and `tpkit rollout --model folder` load it."""
-        import json
-
         source = local_folder(self.path)
-        folder = Path(folder)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
-        try:
-            os.chmod(tmp, 0o777 & ~umask())
+        with _written_atomically(folder) as tmp:
             index = json.loads((source / "model_index.json").read_text())
             for name in index:
                 if not name.startswith("_") and name != "transformer" and (source / name).exists():
@@ -142,20 +126,31 @@ class Model:
             transformer.save_pretrained(tmp / "transformer", safe_serialization=True)
             note = {"base_model": base_model(self.model), "family": self.FAMILY}
             (tmp / MODEL_NOTE).write_text(json.dumps(note, indent=1) + "\n")
-            for f in tmp.rglob("*"):
-                if f.is_file() and not f.is_symlink():
-                    os.chmod(f, 0o666 & ~umask())
-            if folder.exists():
-                shutil.rmtree(folder)
-            os.replace(tmp, folder)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _written_atomically(folder: Path):
+    """Yield a temporary folder beside `folder` to write into; then it replaces `folder` whole, with the
+    umask's permissions (mkdtemp makes 0700 and safetensors 0600 files whatever the umask). An error
+    leaves `folder` as it was."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    try:
+        os.chmod(tmp, 0o777 & ~umask())
+        yield tmp
+        for f in tmp.rglob("*"):  # links (to a base model's components) keep their targets' modes
+            if f.is_file() and not f.is_symlink():
+                os.chmod(f, 0o666 & ~umask())
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def base_model(model: str) -> str:
     """The model a fully fine-tuned folder (`Model.save_model`) was trained from; `model` itself otherwise."""
-    import json
-
     note = Path(model).expanduser() / MODEL_NOTE
     return json.loads(note.read_text())["base_model"] if note.is_file() else model
 
