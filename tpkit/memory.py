@@ -124,8 +124,9 @@ def _text_params(folder: Path) -> int:
     return total
 
 
-def build_model(arch: Architecture, dtype: torch.dtype):
-    """The family's bare `Model` (transformer + VAE) on fake tensors."""
+def build_model(arch: Architecture, dtype: torch.dtype, device="meta"):
+    """The family's bare `Model` (transformer + VAE, randomly initialised) on the device of the enclosing
+    `torch.device(...)` block, `device`: the meta device for estimates, a GPU for the benchmark."""
     import diffusers
 
     cls = models.family(arch.family).MODEL
@@ -137,7 +138,7 @@ def build_model(arch: Architecture, dtype: torch.dtype):
         vae = diffusers.AutoencoderKL(**arch.vae).eval().requires_grad_(False)
     finally:
         torch.set_default_dtype(previous)
-    return base.bare_model(cls, transformer, vae, "estimate", "meta", dtype)
+    return base.bare_model(cls, transformer, vae, "estimate", device, dtype)
 
 
 def transformer_params(arch: Architecture) -> int:
@@ -146,9 +147,12 @@ def transformer_params(arch: Architecture) -> int:
         return sum(p.numel() for p in build_model(arch, torch.bfloat16).transformer.parameters())
 
 
-def _embeddings(model, arch: Architecture, batch: int, text_length: int, dtype) -> dict:
-    joint, pooled = arch.transformer["joint_attention_dim"], arch.transformer["pooled_projection_dim"]
-    r = lambda *s: torch.zeros(*s, dtype=dtype)  # noqa: E731
+def embeddings(model, transformer_config: dict, batch: int, text_length: int, dtype, device=None,
+               fill=torch.zeros) -> dict:
+    """Prompt embeddings of the shapes the family's `encode` returns (zeros, or `fill`: e.g. torch.randn),
+    for estimates and benchmarks without text encoders."""
+    joint, pooled = transformer_config["joint_attention_dim"], transformer_config["pooled_projection_dim"]
+    r = lambda *s: fill(*s, dtype=dtype, device=device)  # noqa: E731
     if model.FAMILY == "sd3":
         n = CLIP_TOKENS + text_length
         return dict(prompt_embeds=r(batch, n, joint), pooled_prompt_embeds=r(batch, pooled),
@@ -183,7 +187,7 @@ def velocity_peak(model, arch: Architecture, batch: int, resolution: int, text_l
                   train: bool = False, autocast: torch.dtype | None = None) -> int:
     """Peak bytes allocated by one `velocity` call (train: and its backward), beyond the weights."""
     x = torch.zeros(batch, *model.latent_shape(resolution))
-    emb = _embeddings(model, arch, batch, text_length, model.dtype)
+    emb = embeddings(model, arch.transformer, batch, text_length, model.dtype)
     cast = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
     grad = contextlib.nullcontext() if train else torch.no_grad()
     with grad, PeakMemory() as pm:

@@ -45,7 +45,6 @@ MODELS = {  # name -> (family class, hub id whose published configs are built, r
     "sd35l": (sd3.SD3, "stabilityai/stable-diffusion-3.5-large", "sd35l-tpgrpo-pickscore.toml"),
     "flux": (flux.Flux, "black-forest-labs/FLUX.1-dev", "flux-tpgrpo-pickscore.toml"),
 }
-CLIP_TOKENS = 77  # SD3's two CLIP encoders' tokens before the T5 ones
 DENSE_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense (no sparsity) bf16 peaks
 
 
@@ -66,32 +65,24 @@ def published(name: str) -> dict:
     return (sd3 if cls is sd3.SD3 else flux).PUBLISHED[hub_id]
 
 
+def architecture(name: str, args) -> memory.Architecture:
+    """The model's published configs, at reduced width with --reduced (the VAE too)."""
+    cfg = published(name)["transformer"]
+    vae = dict(published(name)["vae"], **(dict(block_out_channels=[16, 16, 16, 16], norm_num_groups=4) if args.reduced else {}))
+    return memory.Architecture(MODELS[name][0].FAMILY, reduced(cfg) if args.reduced else cfg, vae, 0, "benchmark")
+
+
 def build(name: str, args, device: torch.device, dtype: torch.dtype):
     """The family's `Model` around a random transformer and VAE (no text encoders: embeddings are random)."""
-    from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel
-
-    cls = MODELS[name][0]
-    cfg = reduced(published(name)["transformer"]) if args.reduced else published(name)["transformer"]
-    vae_cfg = dict(published(name)["vae"], **(dict(block_out_channels=[16, 16, 16, 16], norm_num_groups=4)
-                                              if args.reduced else {}))
+    arch = architecture(name, args)
     torch.manual_seed(0)
     with torch.device(device):
-        transformer = (SD3Transformer2DModel if cls is sd3.SD3 else FluxTransformer2DModel)(**cfg).to(dtype)
-        vae = AutoencoderKL(**vae_cfg).to(dtype)
-    transformer.eval().requires_grad_(False)
-    vae.eval().requires_grad_(False)
-    return base.bare_model(cls, transformer, vae, name, device, dtype), cfg
+        return memory.build_model(arch, dtype, device), arch.transformer
 
 
 def embeddings(model, cfg: dict, batch: int, text_length: int, device, dtype) -> dict:
     """Random prompt embeddings of the shapes the family's `encode` returns."""
-    joint, pooled = cfg["joint_attention_dim"], cfg["pooled_projection_dim"]
-    r = lambda *s: torch.randn(*s, device=device, dtype=dtype)  # noqa: E731
-    if model.FAMILY == "sd3":
-        n = CLIP_TOKENS + text_length
-        return dict(prompt_embeds=r(batch, n, joint), pooled_prompt_embeds=r(batch, pooled),
-                    negative_prompt_embeds=r(batch, n, joint), negative_pooled_prompt_embeds=r(batch, pooled))
-    return dict(prompt_embeds=r(batch, text_length, joint), pooled_prompt_embeds=r(batch, pooled))
+    return memory.embeddings(model, cfg, batch, text_length, dtype, device=device, fill=torch.randn)
 
 
 class Meter:
@@ -221,11 +212,7 @@ def estimates(name: str, args, recipe, dtype, B: int, S: int, D: int, M: int, re
     (transformer, VAE; no text encoders) plus the traced activations, at the same batch sizes."""
     import dataclasses
 
-    cls = MODELS[name][0]
-    arch = memory.Architecture(cls.FAMILY, reduced(published(name)["transformer"]) if args.reduced
-                               else published(name)["transformer"],
-                               dict(published(name)["vae"], **(dict(block_out_channels=[16, 16, 16, 16], norm_num_groups=4)
-                                                               if args.reduced else {})), 0, "benchmark")
+    arch = architecture(name, args)
     b = torch.empty((), dtype=dtype).element_size()
     guidance = recipe.rollout.guidance
     out = {}
