@@ -158,3 +158,19 @@ def test_a_killed_full_train_resumes_from_its_checkpoint(tiny_run, tmp_path, mon
     assert manifest["resumed_from_step"] == 1
     a, b = weights(tmp_path / "whole" / train.MODEL), weights(tmp_path / "killed" / train.MODEL)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_moments_of_a_lora_do_not_continue_a_full_train(tiny_run, tmp_path):
+    """--init-state of a LoRA round (or any other parameters) is refused with a TrainError naming the
+    mismatch, before anything is written; a file where the folder is expected too."""
+    from tpkit.errors import InputError
+
+    common = dict(rollout=str(tiny_run / "rollout"), advantages=str(tiny_run / "advantages"))
+    train.run(TrainConfig(out=str(tmp_path / "lora"), lora_rank=4, lora_alpha=8, **common))
+    with pytest.raises(train.TrainError, match="optimizer moments of other parameters"):
+        train.run(TrainConfig(out=str(tmp_path / "full"), finetune="full", init_state=str(tmp_path / "lora" / train.STATE),
+                              **common))
+    assert not (tmp_path / "full" / layout.MANIFEST).exists()
+    with pytest.raises(InputError, match="not a folder"):
+        train.run(TrainConfig(out=str(tmp_path / "full2"), finetune="full",
+                              init_state=str(tmp_path / "lora" / train.STATE / "optimizer.pt"), **common))

@@ -249,7 +249,7 @@ def run(cfg: TrainConfig) -> dict:
     adv_files = layout.parquet_files(Path(cfg.advantages), "advantages")
     check_init_lora(cfg)
     if cfg.init_state and not Path(cfg.init_state).is_dir():
-        raise InputError(f"--init-state {cfg.init_state}: no such folder", "pass the state/ folder of a previous `tpkit train`")
+        raise InputError(f"--init-state {cfg.init_state}: not a folder", "pass the state/ folder of a previous `tpkit train`")
     tracking.check_kind(cfg.log_with)
     # Inputs checked before --overwrite clears anything: the advantages belong to this rollout, finite.
     adv_meta = check_advantages_belong(rollout, Path(cfg.rollout), Path(cfg.advantages), adv_files)
@@ -428,7 +428,12 @@ def _load_optimizer(folder: Path, optimizer, kind: str) -> None:
     if saved != kind:
         raise TrainError(f"{folder} holds the moments of optimizer = {saved}; this round uses {kind}",
                          f"keep train.optimizer = {saved} for this run, or start a new one (no --init-lora)")
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
+    try:
+        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
+    except ValueError as e:  # torch: "... doesn't match the size of optimizer's group"
+        raise TrainError(f"{folder} holds optimizer moments of other parameters than this round trains ({e})",
+                         "continue with the state/ of a round trained with the same finetune and LoRA settings, "
+                         "or start without one") from None
 
 
 def _train(st: TrainState, cfg: TrainConfig, steps: list[list[MicroBatch]], computed: list[list[MicroBatch]],
