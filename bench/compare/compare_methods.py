@@ -8,8 +8,8 @@
    method, so both are tuned equally; --reward pickscore: the pair trained on the learned reward,
    pipelines/shapes-{tpgrpo,flowgrpo}-pickscore.toml, whose headline is the held-out learned reward
    with GenEval accuracy beside it) with every seed; the paper's ablations on TP-GRPO with the
-   first seed: window size K in {3, 6, 9} and noise level a in {0.5, 0.7, 0.9} (K = 9, a = 0.7 is
-   the main run). Each is one `tpkit run` in its own process; --jobs of them run side by side, each
+   first seeds: window size K in {3, 6, 9} and noise level a in {0.5, 0.7, 0.9} (K = 9, a = 0.7 is
+   the main run), with the first three seeds (--ablation-seeds). Each is one `tpkit run` in its own process; --jobs of them run side by side, each
    with its share of the cores (`tpkit --threads`). A finished run is kept, a stopped one resumes:
    rerunning this script recomputes nothing it has. --long-rounds N also runs Flow-GRPO for N
    rounds (continuing a copy of the seed's comparison run): 18 rounds take about TP-GRPO's time for
@@ -56,7 +56,7 @@ RECIPES = RECIPE_PAIRS["geneval"]  # the methods, in report order (and the defau
 METRICS = {"geneval": ("geneval_overall", "held-out GenEval accuracy"),
            "pickscore": ("reward", "held-out learned reward (tiny-shapes-pickscore)")}
 TASKS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
-ABLATIONS = {  # name -> --set overrides (TP-GRPO, first seed); the main run is K = 9, a = 0.7
+ABLATIONS = {  # name -> --set overrides (TP-GRPO, --ablation-seeds); the main run is K = 9, a = 0.7
     "K3": ["rollout.window_size=3"], "K6": ["rollout.window_size=6"],
     "a0.5": ["rollout.noise_level=0.5"], "a0.9": ["rollout.noise_level=0.9"],
 }
@@ -90,11 +90,10 @@ class Job:
                 "--out", str(self.out), "--rounds", str(self.rounds or rounds), *sets]
 
 
-def jobs(seeds: list[int], runs_dir: Path, ablations: bool, reward: str = "geneval") -> list[Job]:
+def jobs(seeds: list[int], runs_dir: Path, ablation_seeds: list[int], reward: str = "geneval") -> list[Job]:
     runs = [Job(f"{m}-s{s}", m, s, [], runs_dir / f"{m}-s{s}", reward=reward) for s in seeds for m in RECIPES]
-    if ablations:
-        runs += [Job(f"tp-grpo-{a}", "tp-grpo", seeds[0], o, runs_dir / f"tp-grpo-{a}-s{seeds[0]}", reward=reward)
-                 for a, o in ABLATIONS.items()]
+    runs += [Job(f"tp-grpo-{a}-s{s}", "tp-grpo", s, o, runs_dir / f"tp-grpo-{a}-s{s}", reward=reward)
+             for s in ablation_seeds for a, o in ABLATIONS.items()]
     return runs
 
 
@@ -408,26 +407,7 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
     L.append("")
     L += equal_time(all_jobs, base, key)
     L += extra
-    abl = [j for j in all_jobs if j.overrides and finished(j, 1)]
-    if abl:
-        main = next(j for j in all_jobs if j.method == "tp-grpo" and j.seed == seeds[0] and j.main)
-        L += ["## Ablations (TP-GRPO, seed " + str(seeds[0]) + ", one run each)", "",
-              f"{title[0].upper() + title[1:]} (base {base.get(key, float('nan')):.3f}); train reward as the mean over "
-              "all rounds (less noisy than one round's); cost as transformer calls a round (deterministic: seconds "
-              "depend on what else shares the cores). One seed: differences below about 0.1 in held-out accuracy "
-              "are within the seed-to-seed spread of the main comparison above.", "",
-              "| setting | held-out after 3 | held-out after 6 | train reward (mean) | TP rate | d_k = 0 share | calls/round |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
-        for j in [main, *abl]:
-            rs = rounds_of(j)
-            ev = {i + 1: r["eval"][key] for i, r in enumerate(rs) if r.get("eval")}
-            zero = [v for r in rs for v in (r.get("zero_step_rewards_per_step") or []) if v is not None]
-            label = "K = 9, a = 0.7 (main)" if j is main else ", ".join(j.overrides)
-            L.append(f"| {label} | {ev.get(3, float('nan')):.3f} | {ev.get(max(ev), float('nan')) if ev else float('nan'):.3f} | "
-                     f"{sum(r['reward_mean'] for r in rs) / len(rs):.3f} | "
-                     f"{sum(r['turning_point_rate'] for r in rs) / len(rs):.3f} | "
-                     f"{sum(zero) / max(len(zero), 1):.3f} | {sum(r['transformer_calls'] for r in rs) / len(rs):.0f} |")
-        L.append("")
+    L += ablations(all_jobs, base, key, title, beside)
     text = "\n".join(L) + "\n"
     old = (out / "RESULTS.md").read_text() if (out / "RESULTS.md").is_file() else ""
     if READING in old:  # the hand-written reading survives a regeneration (check it against the new numbers)
@@ -437,6 +417,48 @@ def report(out: Path, all_jobs: list[Job], seeds: list[int], base: dict, elapsed
                                                                          for m, a in agg.items()}, "diagnostics": diag},
                                                  indent=1))
     return text
+
+
+def ablations(all_jobs: list[Job], base: dict, key: str, title: str, beside: list[str]) -> list[str]:
+    """The paper's ablations (window K, noise level a) beside the main TP-GRPO runs of the same seeds: held-out
+    metric after 3 and after the last round as mean and 95 % interval over seeds, the paired difference from the
+    main run (same seed: same first rollout noise, LoRA init and evaluation images), train reward, turning-point
+    rate, ties and transformer calls."""
+    settings: dict[str, list[Job]] = {}
+    for j in all_jobs:
+        if j.overrides and j.rounds is None and (j.out / "rounds.jsonl").is_file():
+            settings.setdefault(", ".join(j.overrides), []).append(j)
+    if not settings:
+        return []
+    main = {j.seed: j for j in all_jobs if j.main and j.method == "tp-grpo"}
+    seeds = sorted({j.seed for js in settings.values() for j in js if j.seed in main})
+    settings = {"K = 9, a = 0.7 (main)": [main[s] for s in seeds],
+                **{k: [j for j in js if j.seed in main] for k, js in settings.items()}}
+
+    def final(j: Job, k: str) -> float:
+        return next(r["eval"][k] for r in reversed(rounds_of(j)) if r.get("eval"))
+
+    L = [f"## Ablations (TP-GRPO, seeds {', '.join(map(str, seeds))})", "",
+         f"{title[0].upper() + title[1:]} (base {base.get(key, float('nan')):.3f}) after 3 rounds and after the last, "
+         "mean and 95 % interval over seeds; the change against the main run of the same seed, paired over seeds"
+         + (", with GenEval accuracy's beside it" if beside else "") + "; train reward as the mean over all rounds "
+         "(less noisy than one round's); cost as transformer calls a round (deterministic: seconds depend on what "
+         "else shares the cores).", "",
+         "| setting | seeds | held-out after 3 | held-out at the end | vs main (paired) | "
+         + "".join("GenEval accuracy vs main | " for _ in beside)
+         + "train reward (mean) | TP rate | d_k = 0 share | calls/round |",
+         "|" + " --- |" * (9 + len(beside))]
+    for label, js in settings.items():
+        runs = [rounds_of(j) for j in js]
+        after3 = [next((r["eval"][key] for i, r in enumerate(rs) if r.get("eval") and i + 1 == 3), float("nan")) for rs in runs]
+        vs = [fmt(mean_ci([final(j, k) - final(main[j.seed], k) for j in js])) if "main" not in label else ""
+              for k in (key, *beside)]
+        zero = [v for rs in runs for r in rs for v in (r.get("zero_step_rewards_per_step") or []) if v is not None]
+        mean = lambda k: sum(r[k] for rs in runs for r in rs) / sum(len(rs) for rs in runs)  # noqa: E731
+        L.append(f"| {label} | {len(js)} | {fmt(mean_ci(after3))} | {fmt(mean_ci([final(j, key) for j in js]))} | "
+                 + " | ".join(vs) + f" | {mean('reward_mean'):.3f} | {mean('turning_point_rate'):.3f} | "
+                 f"{sum(zero) / max(len(zero), 1):.3f} | {mean('transformer_calls'):.0f} |")
+    return L + [""]
 
 
 def equal_time(all_jobs: list[Job], base: dict, key: str = "geneval_overall") -> list[str]:
@@ -536,6 +558,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6, help="rounds per run (the recipes' 6)")
     p.add_argument("--jobs", type=int, default=2, help="runs side by side (each gets cores / jobs threads)")
     p.add_argument("--no-ablations", dest="ablations", action="store_false")
+    p.add_argument("--ablation-seeds", type=int, nargs="+", help="seeds of the ablations (default: the first three)")
     p.add_argument("--runs", type=Path, help="where the runs go (large; default runs/compare[-pickscore])")
     p.add_argument("--out", type=Path, help="RESULTS.md and plots (default bench/compare[/pickscore])")
     p.add_argument("--long-rounds", type=int, default=0, help="also Flow-GRPO for this many rounds (18: about TP-GRPO's "
@@ -549,7 +572,7 @@ def main() -> None:
     args.out = args.out or ROOT / "bench" / "compare" / (args.reward if pick else "")
     make_folders(args.runs, args.out)
     t0 = time.time()
-    all_jobs = jobs(args.seeds, args.runs, args.ablations, args.reward)
+    all_jobs = jobs(args.seeds, args.runs, (args.ablation_seeds or args.seeds[:3]) if args.ablations else [], args.reward)
     run_jobs([j for j in all_jobs if not finished(j, args.rounds)], args.rounds, args.jobs)
     if args.long_rounds:  # after the comparison's runs, which they continue
         long = long_jobs(args.long_seeds or args.seeds[:3], args.runs, args.long_rounds, args.reward)
