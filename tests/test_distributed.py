@@ -10,7 +10,7 @@
   ranks wrote shards and train ran DDP over both (on a machine without GPUs accelerate's multi-GPU
   launcher is torchrun, and the processes join a gloo group on the CPU).
 
-Every stage comparison runs on both model families (tiny-sd3, tiny-flux); the accelerate run on
+Every stage comparison runs on every model family (tiny-sd3, tiny-flux, tiny-qwen-image); the accelerate run on
 tiny-sd3. Everything runs in subprocesses (4 prompts x 2 members, T = 6, K = 5, window start 0,
 so the window never reaches the deterministic last step), one thread each, no GPU. About a minute
 on 2 cores; the processes of one comparison run side by side where they can.
@@ -118,7 +118,7 @@ def work(tmp_path_factory, tpkit_home) -> Path:
     return d
 
 
-@pytest.fixture(scope="module", params=["tiny-sd3", "tiny-flux"])
+@pytest.fixture(scope="module", params=["tiny-sd3", "tiny-flux", "tiny-qwen-image"])
 def chain(request, tmp_path_factory, tpkit_home) -> tuple[Path, str]:
     """A folder for one model family's 1-rank vs 2-rank comparisons (every stage runs on both families)."""
     from tpkit import models

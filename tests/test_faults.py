@@ -283,14 +283,23 @@ def clean_flux(tmp_path_factory, tpkit_home) -> Path:
     return clean_run(tmp_path_factory.mktemp("faults-clean-flux"), "tiny-flux")
 
 
+@pytest.fixture(scope="module")
+def clean_qwen(tmp_path_factory, tpkit_home) -> Path:
+    return clean_run(tmp_path_factory.mktemp("faults-clean-qwen"), "tiny-qwen-image")
+
+
+OTHER_FAMILIES = {"tiny-flux": ("clean_flux", "flux"), "tiny-qwen-image": ("clean_qwen", "qwen")}  # model -> fixture, id
+
+
 @pytest.fixture
 def reference(request) -> Path:
-    """The clean run of the test's model family (each kill test runs on SD3 at every point, on FLUX at one)."""
-    return request.getfixturevalue("clean_flux" if request.node.callspec.params.get("model") == "tiny-flux" else "clean")
+    """The clean run of the test's model family (each kill test runs on SD3 at every point, on the others at one)."""
+    return request.getfixturevalue(OTHER_FAMILIES.get(request.node.callspec.params.get("model"), ("clean",))[0])
 
 
-def on_both(points: list[str], flux_point: str) -> list:
-    return [pytest.param("tiny-sd3", p, id=p) for p in points] + [pytest.param("tiny-flux", flux_point, id=f"flux-{flux_point}")]
+def on_families(points: list[str], other_point: str) -> list:
+    return [pytest.param("tiny-sd3", p, id=p) for p in points] + [
+        pytest.param(model, other_point, id=f"{name}-{other_point}") for model, (_, name) in OTHER_FAMILIES.items()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,7 +314,7 @@ ROLLOUT_KILLS = [
 ]
 
 
-@pytest.mark.parametrize("model, point", on_both(ROLLOUT_KILLS, "inside-shard-write"))
+@pytest.mark.parametrize("model, point", on_families(ROLLOUT_KILLS, "inside-shard-write"))
 def test_rollout_sigkill_then_rerun_gives_the_clean_shards(reference, tmp_path, model, point):
     clean = reference
     out = tmp_path / "rollout"
@@ -345,7 +354,7 @@ def test_rollout_sigkill_then_rerun_gives_the_clean_shards(reference, tmp_path, 
     assert_same_rollout(out, clean / "rollout")
 
 
-@pytest.mark.parametrize("model, point", on_both(["random-shard", "before-shard-stats"], "random-shard"))
+@pytest.mark.parametrize("model, point", on_families(["random-shard", "before-shard-stats"], "random-shard"))
 def test_score_sigkill_then_rerun_gives_the_clean_tables(reference, tmp_path, model, point):
     clean = reference
     out = tmp_path / "score"
@@ -367,7 +376,7 @@ def test_score_sigkill_then_rerun_gives_the_clean_tables(reference, tmp_path, mo
     assert_same_scores(out, clean / "score")
 
 
-@pytest.mark.parametrize("model, point", on_both(["after-first-checkpoint", "inside-metrics-write"], "after-first-checkpoint"))
+@pytest.mark.parametrize("model, point", on_families(["after-first-checkpoint", "inside-metrics-write"], "after-first-checkpoint"))
 def test_train_sigkill_resumes_to_the_same_adapter(reference, tmp_path, model, point):
     clean = reference
     import torch

@@ -1,5 +1,5 @@
 """tpkit.memory: the peak-memory counter against hand-counted bytes, the meta-device estimate against
-the same code measured on real tensors (tiny-sd3, tiny-flux: inference, LoRA and full training with and
+the same code measured on real tensors (tiny-sd3, tiny-flux, tiny-qwen-image: inference, LoRA and full training with and
 without gradient checkpointing, VAE decoding), and the doctor's memory lines against a GPU they overflow."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _both(arch, fn):
     return out
 
 
-@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-flux"])
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-flux", "tiny-qwen-image"])
 @pytest.mark.parametrize("what", ["inference", "decode", "lora", "lora+gc", "full", "full+gc"])
 def test_the_estimate_is_what_the_same_code_allocates_on_real_tensors(name, what, tpkit_home):
     fam = models.family(models.family_of(name))

@@ -57,9 +57,9 @@ def field_help(cls: type, name: str) -> str | None:
 
 
 # Help of fields several stages share.
-_MODEL = ("Hub id, local folder, or a built-in model: tiny-sd3, tiny-flux (random, built locally), "
+_MODEL = ("Hub id, local folder, or a built-in model: tiny-sd3, tiny-flux, tiny-qwen-image (random, built locally), "
           "tiny-shapes (pretrained, shipped).")
-_FAMILY = "Model family, sd3 or flux (default: from the model: its model_index.json, else its name)."
+_FAMILY = "Model family, sd3, flux or qwen-image (default: from the model: its model_index.json, else its name)."
 _GUIDANCE = ("Guidance scale (default: the model's, as the release: CFG 4.5 for SD3.5, "
              "distilled guidance 3.5 for FLUX.1-dev).")
 _TEXT_LENGTH = "T5 tokens per prompt (default: the model's; 128 for SD3.5, as the release)."

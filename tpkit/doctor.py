@@ -612,7 +612,7 @@ def _check_model(ctx: _Context, model: str, where: str) -> None:
 
 
 def _check_builtin_model(ctx: _Context, model: str) -> None:
-    """tiny-shapes ships inside the package; tiny-sd3 and tiny-flux are built on first use."""
+    """tiny-shapes ships inside the package; tiny-sd3, tiny-flux and tiny-qwen-image are built on first use."""
     try:
         path = models.family(models.family_of(model)).location(model)
     except Exception as e:

@@ -33,7 +33,6 @@ from tpkit.models import base
 from tpkit.runtime import pick_dtype
 
 GiB = 2**30
-CLIP_TOKENS = 77  # SD3's CLIP tokens before the T5 ones in its prompt embeddings
 
 
 class PeakMemory(TorchDispatchMode):
@@ -130,12 +129,11 @@ def build_model(arch: Architecture, dtype: torch.dtype, device="meta"):
     import diffusers
 
     cls = models.family(arch.family).MODEL
-    transformer_cls = getattr(diffusers, {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}[arch.family])
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in the model's dtype (no float32 copy first)
     try:
-        transformer = transformer_cls(**arch.transformer).eval().requires_grad_(False)
-        vae = diffusers.AutoencoderKL(**arch.vae).eval().requires_grad_(False)
+        transformer = getattr(diffusers, cls.TRANSFORMER)(**arch.transformer).eval().requires_grad_(False)
+        vae = getattr(diffusers, cls.VAE)(**arch.vae).eval().requires_grad_(False)
     finally:
         torch.set_default_dtype(previous)
     return base.bare_model(cls, transformer, vae, "estimate", device, dtype)
@@ -151,13 +149,7 @@ def embeddings(model, transformer_config: dict, batch: int, text_length: int, dt
                fill=torch.zeros) -> dict:
     """Prompt embeddings of the shapes the family's `encode` returns (zeros, or `fill`: e.g. torch.randn),
     for estimates and benchmarks without text encoders."""
-    joint, pooled = transformer_config["joint_attention_dim"], transformer_config["pooled_projection_dim"]
-    r = lambda *s: fill(*s, dtype=dtype, device=device)  # noqa: E731
-    if model.FAMILY == "sd3":
-        n = CLIP_TOKENS + text_length
-        return dict(prompt_embeds=r(batch, n, joint), pooled_prompt_embeds=r(batch, pooled),
-                    negative_prompt_embeds=r(batch, n, joint), negative_pooled_prompt_embeds=r(batch, pooled))
-    return dict(prompt_embeds=r(batch, text_length, joint), pooled_prompt_embeds=r(batch, pooled))
+    return model.placeholder_embeds(transformer_config, batch, text_length, fill, dtype, device)
 
 
 @contextlib.contextmanager
@@ -170,11 +162,12 @@ def flash_attention():
     plain = F.scaled_dot_product_attention
 
     def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if attn_mask is not None or dropout_p or enable_gqa or query.device.type != "meta":
+        if dropout_p or enable_gqa or query.device.type != "meta":
             return plain(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                          enable_gqa=enable_gqa)
+        # a padding mask (Qwen-Image's text) is broadcast over the queries, as the memory-efficient kernel takes it
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, is_causal=is_causal,
-                                                                         scale=scale)[0]
+                                                                         attn_mask=attn_mask, scale=scale)[0]
 
     F.scaled_dot_product_attention = fused
     try:
@@ -200,9 +193,8 @@ def velocity_peak(model, arch: Architecture, batch: int, resolution: int, text_l
 
 def decode_peak(model, batch: int, resolution: int) -> int:
     """Peak bytes of the VAE decoding a batch of latents (`Model.decode` less its uint8 copy to the host)."""
-    vae = model.pipe.vae
     with torch.no_grad(), PeakMemory() as pm:
-        vae.decode(torch.zeros(batch, *model.latent_shape(resolution), dtype=vae.dtype), return_dict=False)
+        model.decode_latents(torch.zeros(batch, *model.latent_shape(resolution), dtype=model.pipe.vae.dtype))
     return pm.peak
 
 

@@ -380,6 +380,10 @@ def _load_model(cfg: TrainConfig, rollout: dict, device: str, init_lora: str | N
             torch.manual_seed(cfg.seed)  # the LoRA init must not depend on what ran before in this process
             lora_config = model_base.add_trainable_lora(model.transformer, cfg.lora_rank, cfg.lora_alpha,
                                                         cfg.lora_targets, init_lora)
+        idle = set(model.idle_parameters(model.transformer))
+        for name, p in model.transformer.named_parameters():
+            if name in idle:
+                p.requires_grad_(False)
     if cfg.gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
     return model, lora_config
@@ -552,7 +556,7 @@ def _save(st: TrainState, cfg: TrainConfig, rollout: dict, ident: dict, adv: dic
         manifest = layout.write_manifest(
             out, "train", to_dict(cfg),
             inputs={"rollout": str(Path(cfg.rollout)), "advantages": str(cfg.advantages), "init_lora": cfg.init_lora,
-                    "model": rollout["config"]["model"]}, identity=ident, rollout_id=rollout.get("rollout_id"),
+                    "model": rollout["config"]["model"], "family": models.recorded(rollout["config"])}, identity=ident, rollout_id=rollout.get("rollout_id"),
             no_op=no_op or not any(m["finite"] for m in metrics),
             # Model work of the whole stage, all processes (a CFG pair counts once): each transition is one
             # forward with gradients and its backward, plus one reference forward when beta > 0.

@@ -1,9 +1,9 @@
 """Full-size cost of a TP-GRPO round, per stage and per trajectory, on the GPU you have: SD3.5-Medium,
-SD3.5-Large and FLUX.1-dev transformers (and their VAE) built from their published configs with random
-weights (nothing downloaded), at the settings of their recipes (`pipelines/sd35m-tpgrpo-pickscore.toml`,
-`sd35l-...`, `flux-...`: resolution, steps, window, CFG, batch sizes, LoRA rank and targets).
+SD3.5-Large, FLUX.1-dev and Qwen-Image transformers (and their VAE) built from their published configs with
+random weights (nothing downloaded), at the settings of their recipes (`pipelines/sd35m-tpgrpo-pickscore.toml`,
+`sd35l-...`, `flux-...`, `qwen-image-...`: resolution, steps, window, CFG, batch sizes, LoRA rank and targets).
 
-    python bench/device/fullsize.py [--models sd35m sd35l flux] [--out bench/device]      # on a GPU (bf16)
+    python bench/device/fullsize.py [--models sd35m sd35l flux qwen] [--out bench/device]  # on a GPU (bf16)
     python bench/device/fullsize.py --reduced --resolution 64 --batch-cap 2 --out /tmp/x  # the code path on CPU
 
 For each model, through tpkit's own code (the family's `velocity`, `base.add_trainable_lora`,
@@ -36,22 +36,26 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tpkit import formulas, memory, runtime  # noqa: E402
+from tpkit import formulas, memory, models, runtime  # noqa: E402
 from tpkit.config import load_recipe, lora_targets  # noqa: E402
-from tpkit.models import base, flux, sd3  # noqa: E402
+from tpkit.models import base, flux, qwen_image, sd3  # noqa: E402
 
 MODELS = {  # name -> (family class, hub id whose published configs are built, recipe)
     "sd35m": (sd3.SD3, "stabilityai/stable-diffusion-3.5-medium", "sd35m-tpgrpo-pickscore.toml"),
     "sd35l": (sd3.SD3, "stabilityai/stable-diffusion-3.5-large", "sd35l-tpgrpo-pickscore.toml"),
     "flux": (flux.Flux, "black-forest-labs/FLUX.1-dev", "flux-tpgrpo-pickscore.toml"),
+    "qwen": (qwen_image.QwenImage, "Qwen/Qwen-Image", "qwen-image-tpgrpo-pickscore.toml"),
 }
+REDUCED_VAE = {"AutoencoderKL": dict(block_out_channels=[16, 16, 16, 16], norm_num_groups=4),  # --reduced: by VAE class
+               "AutoencoderKLQwenImage": dict(base_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)}
 DENSE_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense (no sparsity) bf16 peaks
 
 
 def reduced(cfg: dict) -> dict:
     """Full depth, 2 heads of 16 and narrow inputs: the same code at a width a CPU runs in seconds."""
-    small = dict(cfg, num_attention_heads=2, attention_head_dim=16, joint_attention_dim=64,
-                 pooled_projection_dim=32)
+    small = dict(cfg, num_attention_heads=2, attention_head_dim=16, joint_attention_dim=64)
+    if "pooled_projection_dim" in cfg:
+        small["pooled_projection_dim"] = 32
     if "caption_projection_dim" in cfg:
         small.update(caption_projection_dim=32, sample_size=32, pos_embed_max_size=64)
     if "axes_dims_rope" in cfg:
@@ -62,13 +66,13 @@ def reduced(cfg: dict) -> dict:
 def published(name: str) -> dict:
     """The model's published configs (`tpkit.models.<family>.PUBLISHED`)."""
     cls, hub_id, _ = MODELS[name]
-    return (sd3 if cls is sd3.SD3 else flux).PUBLISHED[hub_id]
+    return models.family(cls.FAMILY).PUBLISHED[hub_id]
 
 
 def architecture(name: str, args) -> memory.Architecture:
     """The model's published configs, at reduced width with --reduced (the VAE too)."""
     cfg = published(name)["transformer"]
-    vae = dict(published(name)["vae"], **(dict(block_out_channels=[16, 16, 16, 16], norm_num_groups=4) if args.reduced else {}))
+    vae = dict(published(name)["vae"], **(REDUCED_VAE[MODELS[name][0].VAE] if args.reduced else {}))
     return memory.Architecture(MODELS[name][0].FAMILY, reduced(cfg) if args.reduced else cfg, vae, 0, "benchmark")
 
 
@@ -246,6 +250,10 @@ def train_step(model, cfg, finetune: str, gc: bool, targets, tr, ro, x, emb, sig
     else:
         reference = frozen_copy()
         base.make_fully_trainable(t)
+    idle = set(model.idle_parameters(t))  # frozen, as train freezes them
+    for n, p in t.named_parameters():
+        if n in idle:
+            p.requires_grad_(False)
     if gc:
         t.enable_gradient_checkpointing()
     params = [p for p in t.parameters() if p.requires_grad]

@@ -1,15 +1,17 @@
 """Model families: one module each, behind one small interface, named in one plain dict.
 
 A family module declares
-  NAME, MODEL (its `base.Model` subclass), DEFAULTS (resolution, guidance, text_length, lora_targets,
+  NAME, MODEL (its `base.Model` subclass: PIPELINE, TRANSFORMER and VAE class names), DEFAULTS (resolution, guidance, text_length, lora_targets,
   lora_targets_optional, sizes for doctor's estimates), BUILTIN (built-in model name -> overrides of
   DEFAULTS), PUBLISHED (hub id -> transformer and VAE configs, text encoders' parameters: memory
   estimates and benchmarks without the weights), location(model) -> a built-in model's folder or None,
   resolve(model) -> a folder or hub
   id (building a built-in one), load(model, **base.load options) -> a `base.Model`,
 and MODEL implements sigmas(steps, resolution), encode(prompts, text_length),
-velocity(x, sigma, embeds, guidance[, transformer]), forwards(guidance) and channels(); decoding,
-the reference context (adapters off), LoRA and the one-pipeline cache are shared (`base`).
+velocity(x, sigma, embeds, guidance[, transformer]), forwards(guidance), channels() and
+placeholder_embeds(...) (the shapes of `encode`'s dict); decoding (an AutoencoderKL's unless the family
+overrides `decode_latents` and `vae_factor`), the reference context (adapters off), LoRA, packing and
+the dynamic-shift schedule, and the one-pipeline cache are shared (`base`).
 Stages take the family from the model name (`family_of`) once, at rollout, record it in shard
 metadata and manifests, and read it back from there. Adding a family = one module + one line below.
 """
@@ -24,7 +26,7 @@ from types import ModuleType
 from tpkit import layout
 from tpkit.errors import InputError, ModelError
 
-FAMILIES = {"sd3": "tpkit.models.sd3", "flux": "tpkit.models.flux"}
+FAMILIES = {"sd3": "tpkit.models.sd3", "flux": "tpkit.models.flux", "qwen-image": "tpkit.models.qwen_image"}
 
 
 def family(name: str) -> ModuleType:
@@ -62,14 +64,15 @@ def known_family(model: str) -> str | None:
         for n, m in mods.items():
             if m.MODEL.PIPELINE == cls:
                 return n
-        raise ModelError(f"{model} is a {cls}; tpkit trains " + " and ".join(m.MODEL.PIPELINE for m in mods.values()),
-                         "pass a Stable Diffusion 3 / 3.5 or FLUX.1 model")
+        raise ModelError(f"{model} is a {cls}; tpkit trains " + ", ".join(m.MODEL.PIPELINE for m in mods.values()),
+                         "pass a Stable Diffusion 3 / 3.5, FLUX.1 or Qwen-Image model")
     return None
 
 
 def family_of(model: str) -> str:
-    """Which family a model is: `known_family`, else its name (FLUX ids say so)."""
-    return known_family(model) or ("flux" if "flux" in model.lower() else "sd3")
+    """Which family a model is: `known_family`, else its name (FLUX and Qwen-Image ids say so), else sd3."""
+    name = model.lower()
+    return known_family(model) or ("flux" if "flux" in name else "qwen-image" if "qwen-image" in name else "sd3")
 
 
 def default(model: str, key: str, family_name: str | None = None):

@@ -1,6 +1,6 @@
 """What every model family shares: the loaded-model object, the one-pipeline cache, decoding, LoRA.
 
-A family module (`sd3.py`, `flux.py`) subclasses `Model` with its schedule, prompt encoding and
+A family module (`sd3.py`, `flux.py`, `qwen_image.py`) subclasses `Model` with its schedule, prompt encoding and
 velocity, and declares its pipeline class and defaults; everything here is the same for all.
 Latents are stored and passed around unpacked, [B, C, h, w], whatever the transformer consumes,
 so formulas, shards and train never see a family's packing.
@@ -42,6 +42,8 @@ class Model:
 
     FAMILY: ClassVar[str] = ""
     PIPELINE: ClassVar[str] = ""  # the diffusers pipeline class
+    TRANSFORMER: ClassVar[str] = ""  # its transformer's diffusers class (memory estimates build it from a config)
+    VAE: ClassVar[str] = "AutoencoderKL"  # its VAE's diffusers class
     TEXT_COMPONENTS: ClassVar[tuple[str, ...]] = ()  # what `text_encoders=False` leaves out
 
     @property
@@ -75,29 +77,56 @@ class Model:
         """Latent channels C of the unpacked latent."""
         raise NotImplementedError
 
+    def idle_parameters(self, transformer) -> list[str]:
+        """Names of the transformer's parameters that no velocity depends on (their gradient is always None):
+        train freezes them, as DDP requires a gradient for every trained parameter. SD3 and FLUX have none
+        (their last block computes no text output)."""
+        return []
+
+    @classmethod
+    def placeholder_embeds(cls, transformer_config: dict, batch: int, text_length: int, fill, dtype, device=None) -> dict:
+        """Tensors of the shapes `encode` returns (`fill(*shape, dtype=, device=)`: zeros, randn), for memory
+        estimates and benchmarks without text encoders."""
+        raise NotImplementedError
+
+    @classmethod
+    def vae_factor(cls, vae_config: dict) -> int:
+        """Pixels per latent cell of this family's VAE (an `AutoencoderKL`: 2 per level after the first)."""
+        return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
     # ---- shared ---------------------------------------------------------------------------
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:
         f = self.pipe.vae_scale_factor  # the pipeline's, set from the VAE config (8 without a VAE loaded)
         return (self.channels(), resolution // f, resolution // f)
 
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents [B, C, h, w] -> images [B, 3, H, W] in [-1, 1] (float32): an `AutoencoderKL`'s
+        scaling and shift undone, then its decoder. A family with another VAE overrides this."""
+        vae = self.pipe.vae
+        z = latents.to(self.device, torch.float32) / vae.config.scaling_factor + vae.config.shift_factor
+        return vae.decode(z.to(vae.dtype), return_dict=False)[0].float()
+
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Latents [B, C, h, w] -> uint8 images [B, H, W, 3]."""
-        vae = self.pipe.vae
-        z = latents.to(self.device, torch.float32) / vae.config.scaling_factor + vae.config.shift_factor
-        img = vae.decode(z.to(vae.dtype), return_dict=False)[0].float()
-        img = ((img / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        img = ((self.decode_latents(latents) / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         return img.permute(0, 2, 3, 1).cpu().numpy()
 
     @staticmethod
     @contextlib.contextmanager
     def reference(transformer):
-        """The base model inside: the LoRA adapters switched off (no second copy in memory)."""
+        """The base model inside: the LoRA adapters switched off (no second copy in memory). Which
+        parameters are trained is kept as it was: peft's enable_adapters makes every adapter weight
+        trainable again, idle ones included, and a gradient-checkpointed block recomputed in the backward
+        would then save other tensors than its forward did."""
+        trained = [p.requires_grad for p in transformer.parameters()]
         transformer.disable_adapters()
         try:
             yield transformer
         finally:
             transformer.enable_adapters()
+            for p, flag in zip(transformer.parameters(), trained):
+                p.requires_grad_(flag)
 
     def save_lora(self, transformer_or_state, config, folder: Path) -> None:
         """Save a diffusers-loadable adapter (`Pipeline.load_lora_weights(folder)`) atomically."""
@@ -180,8 +209,43 @@ def bare_model(cls: type[Model], transformer, vae, model: str, device, dtype) ->
     memory estimates and the full-size benchmark run the family's own `velocity` and `decode` on."""
     from types import SimpleNamespace
 
-    pipe = SimpleNamespace(transformer=transformer, vae=vae, vae_scale_factor=2 ** (len(vae.config.block_out_channels) - 1))
+    pipe = SimpleNamespace(transformer=transformer, vae=vae, vae_scale_factor=cls.vae_factor(vae.config))
     return cls(pipe=pipe, model=model, device=torch.device(device), dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# What the families with packed latents and a resolution-dependent shift share (FLUX.1, Qwen-Image)
+# --------------------------------------------------------------------------------------------
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, (h/2)(w/2), 4C]: 2x2 patches as tokens (diffusers' `_pack_latents` of FLUX and Qwen-Image)."""
+    B, C, h, w = x.shape
+    return x.view(B, C, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, (h // 2) * (w // 2), C * 4)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """[B, (h/2)(w/2), 4C] -> [B, C, h, w]: the inverse of `pack` (diffusers' `_unpack_latents`)."""
+    B, _, D = tokens.shape
+    return tokens.view(B, h // 2, w // 2, D // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, D // 4, h, w)
+
+
+def shift_mu(tokens: int, config) -> float:
+    """The resolution-dependent shift: mu linear in the image's token count (diffusers' calculate_shift),
+    from `base_shift` at `base_image_seq_len` tokens to `max_shift` at `max_image_seq_len`."""
+    b0, b1 = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    m0, m1 = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+    return m0 + (m1 - m0) * (tokens - b0) / (b1 - b0)
+
+
+def dynamic_shift_sigmas(pipe, steps: int, resolution: int) -> list[float]:
+    """The pipelines' schedule with dynamic shifting (FluxPipeline, QwenImagePipeline): linspace(1, 1/T, T)
+    shifted by mu(packed tokens at this resolution) in the scheduler's own way (its time-shift type and
+    terminal stretch), then 0."""
+    sched = pipe.scheduler
+    h = resolution // pipe.vae_scale_factor
+    sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=shift_mu((h // 2) ** 2, sched.config), device="cpu")
+    return [float(s) for s in sched.sigmas]
 
 
 # --------------------------------------------------------------------------------------------

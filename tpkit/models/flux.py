@@ -15,13 +15,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from tpkit.models.names import FLUX_MODEL
 from tpkit.errors import ModelError
 from tpkit.models import base
-from tpkit.models.base import Model, tiny_tokenizer
+from tpkit.models.base import Model, pack, tiny_tokenizer, unpack
 from tpkit.runtime import quiet_libraries
 
 NAME = "flux"
@@ -113,18 +112,6 @@ def resolve(model: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def pack(x: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> [B, (h/2)(w/2), 4C]: FluxPipeline._pack_latents."""
-    B, C, h, w = x.shape
-    return x.view(B, C, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, (h // 2) * (w // 2), C * 4)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """[B, (h/2)(w/2), 4C] -> [B, C, h, w]: FluxPipeline._unpack_latents."""
-    B, _, D = tokens.shape
-    return tokens.view(B, h // 2, w // 2, D // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, D // 4, h, w)
-
-
 def image_ids(h: int, w: int) -> torch.Tensor:
     """[(h/2)(w/2), 3]: (0, row, column) of each packed token, FluxPipeline._prepare_latent_image_ids."""
     ids = torch.zeros(h // 2, w // 2, 3)
@@ -133,16 +120,10 @@ def image_ids(h: int, w: int) -> torch.Tensor:
     return ids.reshape(-1, 3)
 
 
-def shift_mu(tokens: int, config) -> float:
-    """FLUX's resolution-dependent shift: mu linear in the token count (diffusers' calculate_shift)."""
-    b0, b1 = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-    m0, m1 = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
-    return m0 + (m1 - m0) * (tokens - b0) / (b1 - b0)
-
-
 class Flux(Model):
     FAMILY = NAME
     PIPELINE = "FluxPipeline"
+    TRANSFORMER = "FluxTransformer2DModel"
     TEXT_COMPONENTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 
     def channels(self) -> int:
@@ -151,13 +132,15 @@ class Flux(Model):
     def forwards(self, guidance: float) -> int:
         return 1  # guidance is an input (distilled), not a second pass
 
+    @classmethod
+    def placeholder_embeds(cls, transformer_config: dict, batch: int, text_length: int, fill, dtype, device=None) -> dict:
+        r = lambda *s: fill(*s, dtype=dtype, device=device)  # noqa: E731
+        return dict(prompt_embeds=r(batch, text_length, transformer_config["joint_attention_dim"]),
+                    pooled_prompt_embeds=r(batch, transformer_config["pooled_projection_dim"]))
+
     def sigmas(self, steps: int, resolution: int) -> list[float]:
         """FluxPipeline's: linspace(1, 1/T, T), shifted by mu(tokens at this resolution), then 0."""
-        sched = self.pipe.scheduler
-        h = resolution // self.pipe.vae_scale_factor
-        mu = shift_mu((h // 2) ** 2, sched.config)
-        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu, device="cpu")
-        return [float(s) for s in sched.sigmas]
+        return base.dynamic_shift_sigmas(self.pipe, steps, resolution)
 
     @torch.no_grad()
     def encode(self, prompts: list[str], text_length: int) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ NAME = "sd3"
 TINY, SHAPES = TINY_MODEL, SHAPES_MODEL
 _TINY_VERSION = 3  # bump when the tiny architecture changes, so old caches are not reused
 TINY_RESOLUTION = 64
+CLIP_TOKENS = 77  # the CLIP tokens before the T5 ones in every prompt encoding (both CLIPs' 77, concatenated in width)
 
 # The release's LoRA targets: the eight projections of every block's joint attention. Qualified with
 # `attn.` so that on SD3.5-Medium they do not also match the second attention (`attn2`) of its 13
@@ -174,6 +175,7 @@ def resolve(model: str) -> str:
 class SD3(Model):
     FAMILY = NAME
     PIPELINE = "StableDiffusion3Pipeline"
+    TRANSFORMER = "SD3Transformer2DModel"
     TEXT_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
 
     def channels(self) -> int:
@@ -181,6 +183,13 @@ class SD3(Model):
 
     def forwards(self, guidance: float) -> int:
         return 2 if guidance > 1.0 else 1
+
+    @classmethod
+    def placeholder_embeds(cls, transformer_config: dict, batch: int, text_length: int, fill, dtype, device=None) -> dict:
+        joint, pooled, n = transformer_config["joint_attention_dim"], transformer_config["pooled_projection_dim"], CLIP_TOKENS + text_length
+        r = lambda *s: fill(*s, dtype=dtype, device=device)  # noqa: E731
+        return dict(prompt_embeds=r(batch, n, joint), pooled_prompt_embeds=r(batch, pooled),
+                    negative_prompt_embeds=r(batch, n, joint), negative_pooled_prompt_embeds=r(batch, pooled))
 
     # ---- schedule -----------------------------------------------------------------------
     def sigmas(self, steps: int, resolution: int) -> list[float]:
