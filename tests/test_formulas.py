@@ -505,10 +505,25 @@ def test_heun_step_hand_worked_and_exact_for_a_linear_velocity():
                                F.ode_step(x, c, torch.tensor([1.0, 0.8]), torch.tensor([0.6, 0.0])))
 
 
+def test_ab2_step_hand_worked_and_exact_for_a_velocity_linear_in_sigma():
+    """x' = x + h ((1 + r/2) v - (r/2) v_prev), r = h / h'. From sigma 0.5 (previous 1.0) to 0.2: h = -0.3,
+    h' = -0.5, r = 0.6; v = 1, v_prev = 3, x = 2: x' = 2 - 0.3 (1.3 * 1 - 0.3 * 3) = 2 - 0.3 * 0.4 = 1.88."""
+    x = torch.full((1, 1, 1, 1), 2.0)
+    out = F.ab2_step(x, torch.ones_like(x), torch.full_like(x, 3.0), 1.0, 0.5, 0.2)
+    assert out.item() == pytest.approx(1.88, abs=1e-6)
+    # dx/dsigma = a sigma + b (here a = 4, b = 1): the integral of the line through the last two velocities
+    # is the exact x(sigma') - x(sigma) = a (sigma'^2 - sigma^2) / 2 + b (sigma' - sigma), per sample
+    sp, s, sn = torch.tensor([1.0, 0.9]), torch.tensor([0.6, 0.7]), torch.tensor([0.25, 0.0])
+    v = lambda sig: (4 * sig + 1).reshape(2, 1, 1, 1).expand(2, 3, 2, 2)  # noqa: E731
+    x = torch.randn(2, 3, 2, 2)
+    exact = x + (2 * (sn ** 2 - s ** 2) + (sn - s)).reshape(2, 1, 1, 1)
+    torch.testing.assert_close(F.ab2_step(x, v(s), v(sp), sp, s, sn), exact)
+
+
 def test_branch_calls_per_solver():
-    """Heun: two calls a step, the first of the first step reused from the rollout: 2 n_k - 1."""
+    """Heun: two calls a step, the first of the first step reused from the rollout: 2 n_k - 1; AB2 as Euler."""
     assert F.branch_calls(10, 0, 9, 3, "heun") == 5 * 8 + 3  # k = 0..7: 3 steps -> 5; k = 8: 2 steps -> 3
-    assert F.branch_calls(10, 0, 9, 3, "euler") == F.branch_calls(10, 0, 9, 3)
+    assert F.branch_calls(10, 0, 9, 3, "euler") == F.branch_calls(10, 0, 9, 3) == F.branch_calls(10, 0, 9, 3, "ab2")
     from tpkit.config import BRANCH_SOLVERS
 
     assert set(F.CALLS_PER_STEP) == set(BRANCH_SOLVERS)

@@ -471,10 +471,12 @@ def test_heun_branches_cost_what_formulas_say(tiny_run, tmp_path):
         assert heun["reward"].to_pylist() != exact["reward"].to_pylist()
 
 
-def test_heun_branches_integrate_a_known_flow(monkeypatch):
+def test_heun_and_ab2_branches_integrate_a_known_flow(monkeypatch):
     """The batched branch machine against the closed form: with v(x, sigma) = -x every Euler step
-    multiplies x by (1 - dt) and every Heun step by (1 - dt + dt^2 / 2) (dt = sigma' - sigma < 0). Branches
-    of different lengths share batches of 3, so Heun's two calls a step interleave across branches."""
+    multiplies x by (1 - dt) and every Heun step by (1 - dt + dt^2 / 2) (dt = sigma' - sigma < 0); AB2's
+    first step is Euler's, each later one x + dt ((1 + r/2)(-x) - (r/2) v_prev), here in scalars (x and
+    v_prev are multiples of s_k). Branches of different lengths share batches of 3, so Heun's two calls a
+    step interleave across branches and AB2's velocities must stay with their branch."""
     from concurrent.futures import Future
 
     from tpkit.layout import PromptRecord, TrajectoryRecord
@@ -495,7 +497,7 @@ def test_heun_branches_integrate_a_known_flow(monkeypatch):
     meta = {"sigmas": sigmas, "window_start": 0, "window_size": K, "guidance": 1.0, "prompt_id": "p", "prompt": "x"}
     traj = TrajectoryRecord(meta, {"states": states, "velocities": -states[:K]}, b"")
     prompts = {"p": PromptRecord("p", "x", {}, {"prompt_embeds": torch.zeros(1, 1)})}
-    for solver, steps in (("euler", 0), ("euler", 2), ("heun", 2), ("heun", 5)):
+    for solver, steps in (("euler", 0), ("euler", 2), ("heun", 2), ("heun", 5), ("ab2", 3), ("ab2", 5)):
         cfg = ScoreConfig(batch_size=3, decode_batch_size=1, reward_workers=0, branch_steps=steps, branch_solver=solver)
         scorer = score.BranchScorer(Flow(), [], cfg)
         got = {}
@@ -510,10 +512,14 @@ def test_heun_branches_integrate_a_known_flow(monkeypatch):
         scorer._complete(prompts, [traj], lambda n: None)
         for k in range(K):
             sched = formulas.branch_schedule(sigmas, k, steps)
-            factor = 1.0
-            for s0, s1 in zip(sched, sched[1:]):
+            factor, v_prev = 1.0, -1.0  # x = factor s_k, v_prev = v_prev s_k
+            for j, (s0, s1) in enumerate(zip(sched, sched[1:])):
                 dt = s1 - s0
-                factor *= (1 - dt + dt * dt / 2) if solver == "heun" else (1 - dt)
+                if solver == "ab2" and j:
+                    r = dt / (s0 - sched[j - 1])
+                    factor, v_prev = factor + dt * ((1 + r / 2) * -factor - r / 2 * v_prev), -factor
+                else:
+                    factor, v_prev = factor * ((1 - dt + dt * dt / 2) if solver == "heun" else (1 - dt)), -factor
             torch.testing.assert_close(got[0, k], states[k] * factor, rtol=1e-5, atol=1e-6)
         assert scorer.counters.transformer_calls == formulas.branch_calls(5, 0, K, steps, solver)
 

@@ -26,7 +26,7 @@ BALANCE = ("all", "none")
 STD_MODES = ("group", "global")
 TRACKERS = ("none", "tensorboard", "wandb")  # --log-with (tpkit.tracking)
 PRECISIONS = ("no", "fp16", "bf16")
-BRANCH_SOLVERS = ("euler", "heun")  # score.branch_solver: formulas.ode_step, formulas.heun_step
+BRANCH_SOLVERS = ("euler", "heun", "ab2")  # score.branch_solver: formulas.ode_step, heun_step, ab2_step
 OPTIMIZERS = ("adamw", "adamw8bit")  # torch's AdamW; bitsandbytes' 8-bit AdamW (an optional extra)
 FINETUNES = ("lora", "full")  # what train updates: a LoRA adapter, or every weight of the transformer
 KL_MODES = ("release", "exact")
@@ -219,7 +219,8 @@ class ScoreConfig:
     reward_workers: int = doc(1, "Threads scoring images while the transformer runs (0: inline).")
     branch_steps: int = doc(0, "0: exact branches; N: at most N ODE steps per branch (faster, approximate).")
     branch_solver: str = doc("euler", "euler: the rollout's own ODE steps (exact with branch_steps 0); heun: second "
-                                      "order, two calls a step, for --branch-steps N (formulas.heun_step).")
+                                      "order, two calls a step; ab2: second-order multistep, one call a step; "
+                                      "both for --branch-steps N (formulas.heun_step, ab2_step).")
     on_nan: str = doc("stop", "A NaN/infinite reward: stop (list the trajectories) or drop them.")
     overwrite: bool = doc(False, _OVERWRITE)
     dtype: str = doc("auto", _DTYPE)

@@ -5,7 +5,8 @@ shard and never recomputed. Branches of all trajectories and states of a shard s
 batches (per-sample timesteps, longest branches first, continuous refill as branches finish), and
 each branch's first step reuses the rollout's velocity v(s_k), so a trajectory costs
 sum_k (T - a - k - 1) calls here (45 for T = 10, K = 9); `--branch-steps N` caps each branch at N
-steps of a coarser schedule, Euler steps or (`--branch-solver heun`) second-order Heun steps.
+steps of a coarser schedule, Euler steps, (`--branch-solver heun`) second-order Heun steps, or
+(`--branch-solver ab2`) second-order Adams-Bashforth steps at Euler's cost.
 Decoded images are scored on a worker thread while the transformer runs. A policy LoRA is merged
 into the weights here (score's numbers need not match train's).
 """
@@ -44,9 +45,10 @@ class Branch:
     x: torch.Tensor  # the latent the next velocity call is made at [C, h, w], on the model's device
     sigmas: list[float]  # the branch's own schedule, from sigma_{a+k} down to 0
     p: int  # position in it: the current step goes from sigmas[p] to sigmas[p + 1]
-    calls_per_step: int = 1  # Euler 1; Heun 2 (a call at x_p, then one at the Euler predictor)
+    calls_per_step: int = 1  # Euler and AB2 1; Heun 2 (a call at x_p, then one at the Euler predictor)
     x0: torch.Tensor | None = None  # Heun, mid-step: the step's start x_p (x is then its Euler predictor)
     v0: torch.Tensor | None = None  # Heun, mid-step: v(x_p, sigmas[p])
+    v_prev: torch.Tensor | None = None  # AB2: the previous step's velocity v(x_{p-1}, sigmas[p - 1])
 
     @property
     def sigma(self) -> float:
@@ -142,7 +144,8 @@ class BranchScorer:
         # First step of branch k reuses v(s_k) from the rollout: no transformer call (Heun: it is the
         # step's first velocity, and x its Euler predictor). Its schedule is the rest of the rollout's
         # (exact), or at most branch_steps steps of it (--branch-steps).
-        heun = cfg.branch_solver == "heun"
+        # AB2's first step is Euler's (no earlier velocity on the branch), the later ones multistep.
+        heun, ab2 = cfg.branch_solver == "heun", cfg.branch_solver == "ab2"
         branches: list[Branch] = []
         for n, t in enumerate(trajs):
             for k in range(K):
@@ -153,7 +156,7 @@ class BranchScorer:
                 if heun:
                     branches.append(Branch(n, k, x, sched, p=0, calls_per_step=2, x0=s_k[0].float(), v0=v_k[0].float()))
                 else:
-                    branches.append(Branch(n, k, x, sched, 1))
+                    branches.append(Branch(n, k, x, sched, 1, v_prev=v_k[0].float() if ab2 else None))
         # Longest first: the short branches left at the end drain the queue in full batches (for
         # T = 10, K = 9 and 16 trajectories at batch 32: 23 transformer batches, the minimum, not 27).
         pending = deque(sorted(branches, key=lambda b: b.remaining, reverse=True))
@@ -186,8 +189,16 @@ class BranchScorer:
                     else:
                         sig = torch.tensor([b.sigmas[b.p] for b in active]).to(x.device)
                         sig_next = torch.tensor([b.sigmas[b.p + 1] for b in active]).to(x.device)
-                        for b, xn in zip(active, formulas.ode_step(x, v, sig, sig_next)):
+                        if ab2:
+                            sig_prev = torch.tensor([b.sigmas[b.p - 1] for b in active]).to(x.device)
+                            v_prev = torch.stack([b.v_prev for b in active])
+                            new = formulas.ab2_step(x, v, v_prev, sig_prev, sig, sig_next)
+                        else:
+                            new = formulas.ode_step(x, v, sig, sig_next)
+                        for i, (b, xn) in enumerate(zip(active, new)):
                             b.x, b.p = xn, b.p + 1
+                            if ab2:
+                                b.v_prev = v[i].float()
                 c.transformer_calls += len(active)
                 c.transformer_batches += 1
                 finished += [b for b in active if b.done]

@@ -1,16 +1,19 @@
 """Cheaper branches, judged by what TP-GRPO decides with them: each branch solver and step budget
 against the exact (Euler, every step) branches on the same rollouts.
 
-    python bench/branches/branch_solvers.py [--rollouts R1 R2 ...] [--configs euler:3 heun:2 ...]
+    python bench/branches/branch_solvers.py [--rollouts R1[:REWARD,...] R2 ...] [--configs euler:3 heun:2 ...]
                                            [--rewards pickscore geneval] [--runs runs/branch-solvers]
                                            [--out bench/branches]
 
 1. Rollouts: by default the first and last rounds of `bench/compare/compare_methods.py --reward
    pickscore`'s TP-GRPO seed-0 run (runs/compare-pickscore/tp-grpo-s0/round-0000 and -0005: the base
    policy and the trained one), each a real tiny-shapes rollout of 16 train prompts x 8 (T = 10, CPS
-   window K = 9, the recipe's settings).
-2. Per rollout and reward (the learned tiny-shapes-pickscore, and GenEval's dense score with the
-   shapes detector): `tpkit score` exact, then with every --configs SOLVER:STEPS, and `tpkit
+   window K = 9, the recipe's settings). Any round folder of a `tpkit run` will do, e.g. tiny-sd3's
+   (`tpkit run pipelines/tiny-cpu.toml --rounds 1 --out runs/branch-tiny-sd3 --set rollout.group_size=16`),
+   with its own rewards after a colon (`runs/branch-tiny-sd3/round-0000:brightness,pickscore`).
+2. Per rollout and reward (the learned tiny-shapes-pickscore, GenEval's dense score with the shapes
+   detector, or brightness, the tiny-cpu recipe's reward for the random tiny-sd3; --rewards, or the
+   rollout's own list): `tpkit score` exact, then with every --configs SOLVER:STEPS, and `tpkit
    advantages` (TP-GRPO, the recipe's balancing) on each; resumable (finished folders are reused).
 3. Against the exact branches: transformer calls per trajectory (the manifest's), score seconds,
    mean |R_k error| (k < K; R_K is the rollout's own image in every case) beside mean |d_k|, and
@@ -37,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ROLLOUTS = [ROOT / "runs" / "compare-pickscore" / "tp-grpo-s0" / f"round-{i:04d}" for i in (0, 5)]
 # (reward name, its options): the learned reward as the pickscore recipes score it; GenEval's dense score
 REWARDS = {"pickscore": {"model": "tiny-shapes-pickscore", "processor": "tiny-shapes-pickscore"},
-           "geneval": {"detector": "shapes"}}
+           "geneval": {"detector": "shapes"}, "brightness": {}}
 KEY = ["trajectory_id", "step"]
 READING = "## Reading"  # RESULTS.md's hand-written part, kept when the tables are regenerated
 
@@ -89,22 +92,33 @@ def compare(exact: dict, other: dict) -> dict:
     }
 
 
+def rollout_and_rewards(arg: str, default: list[str]) -> tuple[Path, list[str]]:
+    """`DIR` or `DIR:reward,reward`: a round folder and the rewards to compare the solvers on."""
+    folder, _, names = arg.partition(":")
+    rewards = names.split(",") if names else default
+    if unknown := [r for r in rewards if r not in REWARDS]:
+        sys.exit(f"{arg}: unknown reward {unknown[0]!r}; use {', '.join(REWARDS)}")
+    return Path(folder), rewards
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rollouts", type=Path, nargs="+", default=DEFAULT_ROLLOUTS, help="round folders of a tpkit run")
+    p.add_argument("--rollouts", nargs="+", default=[str(r) for r in DEFAULT_ROLLOUTS],
+                   help="round folders of a tpkit run, each with its own rewards after a colon if given (DIR:r1,r2)")
     p.add_argument("--configs", nargs="+", default=["euler:2", "euler:3", "euler:5", "heun:2", "heun:3"])
     p.add_argument("--rewards", nargs="+", default=list(REWARDS), choices=list(REWARDS))
     p.add_argument("--runs", type=Path, default=ROOT / "runs" / "branch-solvers")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "branches")
     args = p.parse_args()
-    missing = [r for r in args.rollouts if not (r / "rollout" / layout.MANIFEST).is_file()]
+    rollouts = [rollout_and_rewards(r, args.rewards) for r in args.rollouts]
+    missing = [r for r, _ in rollouts if not (r / "rollout" / layout.MANIFEST).is_file()]
     if missing:
         sys.exit(f"no finished rollout in {missing[0]}: run `python bench/compare/compare_methods.py --reward pickscore` "
                  "first, or pass --rollouts ROUND_DIR ...")
     configs = [(c.split(":")[0], int(c.split(":")[1])) for c in args.configs]
     results = []
-    for round_dir in args.rollouts:
-        for reward in args.rewards:
+    for round_dir, rewards in rollouts:
+        for reward in rewards:
             m0, a0 = run_config(round_dir, args.runs, reward, "euler", 0)
             exact = table(a0)
             for solver, steps in configs:
