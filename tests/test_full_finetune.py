@@ -176,3 +176,38 @@ def test_moments_of_a_lora_do_not_continue_a_full_train(tiny_run, tmp_path):
     with pytest.raises(InputError, match="not a folder"):
         train.run(TrainConfig(out=str(tmp_path / "full2"), finetune="full",
                               init_state=str(tmp_path / "lora" / train.STATE / "optimizer.pt"), **common))
+
+
+def test_keep_rounds_prunes_old_weights_and_the_run_still_continues(tmp_path, two_prompts):
+    """keep_rounds with full fine-tuning deletes older rounds' weights (optimizer moments, and model/ unless
+    the round was evaluated) but leaves their digests: continuing the run recognises every finished round,
+    a pruned model/ is refused by name, and what is kept is what later rounds and users need."""
+    from tpkit.errors import ModelError
+    from tpkit.run import run, stage_dirs
+
+    path = recipe(tmp_path, two_prompts, "tiny-sd3")
+    path.write_text(tomli_w.dumps({**tomllib.loads(path.read_text()), "rounds": 3, "keep_rounds": 1, "eval_every": 2}))
+    run_dir = tmp_path / "run"
+    run(load_recipe(path, out=str(run_dir)))
+    train_dir = lambda r: stage_dirs(run_dir, r)["train"]  # noqa: E731
+    weights_of = lambda folder: sorted(p.name for p in folder.rglob("*.safetensors")) + sorted(p.name for p in folder.rglob("*.pt"))  # noqa: E731
+    # round 0: both pruned; round 1 (evaluated: eval_every = 2): model/ kept, state/ pruned; round 2 (last): kept
+    assert weights_of(train_dir(0) / train.MODEL) == weights_of(train_dir(0) / train.STATE) == []
+    assert weights_of(train_dir(1) / train.MODEL) and not weights_of(train_dir(1) / train.STATE)
+    assert weights_of(train_dir(2) / train.MODEL) and weights_of(train_dir(2) / train.STATE)
+    assert (train_dir(0) / train.MODEL / "model_index.json").is_file()  # configs, notes and links stay
+    # the digest left behind is the one round 1's rollout recorded for the model it sampled with
+    rollout1 = json.loads((stage_dirs(run_dir, 1)["rollout"] / layout.MANIFEST).read_text())
+    assert layout.pruned_digest(train_dir(0) / train.MODEL) == rollout1["identity"]["inputs"]["model_sha256"]
+    with pytest.raises(ModelError, match="keep_rounds"):
+        models.load(str(train_dir(0) / train.MODEL), "sd3", text_encoders=False, vae=False)
+    # continue for a fourth round: rounds 0-2 are recognised as finished (nothing redone), round 3 trains
+    stamps = {r: (train_dir(r) / layout.MANIFEST).stat().st_mtime_ns for r in range(3)}
+    run(load_recipe(path, ["rounds=4"], out=str(run_dir)))
+    assert len(read_jsonl(run_dir / layout.ROUNDS_FILE)) == 4
+    assert {r: (train_dir(r) / layout.MANIFEST).stat().st_mtime_ns for r in range(3)} == stamps
+    assert not weights_of(train_dir(2) / train.MODEL) and weights_of(train_dir(3) / train.MODEL)  # round 3: evaluated
+    # a train continuing a pruned state/ would start AdamW afresh: refused by name
+    with pytest.raises(Exception, match="keep_rounds"):
+        train.run(TrainConfig(rollout=str(stage_dirs(run_dir, 1)["rollout"]), advantages=str(stage_dirs(run_dir, 1)["advantages"]),
+                              out=str(tmp_path / "again"), finetune="full", init_state=str(train_dir(0) / train.STATE)))

@@ -523,7 +523,7 @@ class Recipe:
     eval_every: int = 0  # evaluate the adapter every N rounds (0: never), logged in rounds.jsonl
     log_with: str = "none"  # none | tensorboard | wandb (tpkit.tracking); may change when a run is continued
     log_images_every: int = 5  # with a tracker: a grid of the round's samples every N rounds (0: never)
-    keep_rounds: int = 0  # keep the rollout shards (cached latents) of round 0 and the last N rounds only (0: all)
+    keep_rounds: int = 0  # keep the rollout shards (and full fine-tuning's weights) of round 0 and the last N rounds only (0: all)
     lr_half_life: int = 0  # halve train.learning_rate every N rounds, exponentially (0: constant); formulas.round_learning_rate
 
     def to_dict(self) -> dict:

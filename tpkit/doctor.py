@@ -495,8 +495,9 @@ def _check_recipe_details(ctx: _Context, recipe) -> None:
 
 
 def estimate_round_bytes(recipe, cuda: bool) -> tuple[int, int, str] | None:
-    """Rough bytes one round of `tpkit run` writes, those of them in rollout shards (what keep_rounds
-    deletes later), and how they add up (None: prompts unknown).
+    """Rough bytes one round of `tpkit run` writes, those of them keep_rounds deletes later (rollout shards;
+    with finetune = full also the optimizer state and, but in evaluated rounds, model/), and how they add
+    up (None: prompts unknown).
 
     Per trajectory: (K + 1 states + K velocities + final latent) x C x h x w float32 plus the final
     PNG (at most 3 bytes a pixel); per prompt, its and the empty prompt's embeddings (77 + T5 tokens) in
@@ -515,17 +516,21 @@ def estimate_round_bytes(recipe, cuda: bool) -> tuple[int, int, str] | None:
     dtype_bytes = 4 if (ro.dtype in ("float32", "fp32") or (ro.dtype == "auto" and not cuda)) else 2
     per_prompt = sz["prompt_sets"] * ((sz["clip_tokens"] + ro.max_sequence_length) * sz["text_dim"] + sz["pooled_dim"]) * dtype_bytes
     train, what = tr.lora_rank * sz["lora_bytes_per_rank"] * (3 + (1 if tr.ema else 0)), "adapter/optimizer"
+    prunable = trajectories * (2 * k + 2) * latent + trajectories * res * res * 3  # the shards
     if tr.finetune == "full":
         from tpkit import memory
 
         arch = memory.architecture(ro.model, ro.family)
-        moments = 2 if tr.optimizer == "adamw8bit" else 8
-        train = memory.transformer_params(arch) * (4 + moments) if arch else 0
+        params = memory.transformer_params(arch) if arch else 0
+        moments = params * (2 if tr.optimizer == "adamw8bit" else 8)
+        train = params * 4 + moments
         what = "model/ (float32) and optimizer state" if arch else "model/ (size unknown: no configs here)"
+        # keep_rounds deletes them too, but an evaluated round's model/ (one in eval_every) stays
+        prunable += moments + params * 4 * (1 - (1 / recipe.eval_every if recipe.eval_every else 0))
     total = trajectories * per_traj + prompts * per_prompt + train
     how = (f"{trajectories} trajectories x {layout.human_bytes(per_traj)} + {prompts} prompts x {layout.human_bytes(per_prompt)} embeddings"
            f" + {layout.human_bytes(train)} {what}")
-    return total, trajectories * (2 * k + 2) * latent + trajectories * res * res * 3, how
+    return total, int(prunable), how
 
 
 # What to lower when a stage's estimated memory exceeds the GPU's.
@@ -574,7 +579,7 @@ def _check_run_folder(ctx: _Context, run_dir: Path, recipe) -> None:
         per_round, shards, how = estimate
         left = sum(1 for r in range(recipe.rounds) if not (layout.round_dir(run_dir, r) / layout.ROUND_JSON).is_file())
         need = per_round * left
-        if recipe.keep_rounds:  # shards of round 0 and the last keep_rounds stay; older rounds' are deleted
+        if recipe.keep_rounds:  # round 0's shards and the last keep_rounds rounds stay; older rounds' are deleted
             need -= shards * max(0, left - recipe.keep_rounds - 1)
         detail += (f"; the recipe writes ≈ {layout.human_bytes(per_round)} per round ({how}), "
                    f"≈ {layout.human_bytes(need)} for the {left} round(s) to go"
@@ -586,7 +591,7 @@ def _check_run_folder(ctx: _Context, run_dir: Path, recipe) -> None:
         if free < need:
             ctx.add("disk space", False, detail + ": it will fill up before the last round",
                     "free space, put the run on a bigger disk (--out DIR), run fewer rounds (--rounds N), or keep "
-                    "fewer rounds' rollout shards (keep_rounds = N in the recipe)", level="warning")
+                    "fewer rounds' rollout shards and weights (keep_rounds = N in the recipe)", level="warning")
             return
     if free < LOW_DISK_GIB * GiB:
         ctx.add("disk space", False, detail + f" (under {LOW_DISK_GIB} GiB)",

@@ -233,6 +233,37 @@ def read_manifest(folder: Path, stage: str, pruned_ok: bool = False) -> dict:
     return manifest
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".pt", ".bin")  # what `prune_weights` deletes (not configs, notes, links)
+
+
+def prune_weights(folder: Path, digest, why: str) -> int:
+    """Delete a finished round's weights in `folder` (a fully fine-tuned model/'s transformer, a state/'s
+    optimizer moments: 12 bytes a parameter a round), keeping its configs, notes and links. PRUNED
+    records `digest()`, the content digest the folder had, which identities computed from it use from
+    then on (`pruned_digest`), so a continued run still recognises its finished rounds. PRUNED is written
+    first: a crash midway leaves the record, and the next call deletes the rest. Returns the bytes freed."""
+    folder = Path(folder)
+    files = [Path(root) / name for root, _, names in os.walk(folder) for name in names  # links not followed:
+             if Path(name).suffix in WEIGHT_SUFFIXES and not (Path(root) / name).is_symlink()]  # the base's components
+    if not files:
+        return 0
+    if not (folder / PRUNED).is_file():
+        atomic_write_json(folder / PRUNED, {"deleted": "weights", "why": why, "digest": digest(),
+                                            "files": [f.relative_to(folder).as_posix() for f in files]})
+    freed = sum(f.stat().st_size for f in files)
+    for f in files:
+        f.unlink(missing_ok=True)
+    return freed
+
+
+def pruned_digest(folder: Path) -> str | None:
+    """The content digest a folder had before `prune_weights` deleted its weights; None if it was not pruned."""
+    path = Path(folder) / PRUNED
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("digest")
+
+
 def prune_shards(folder: Path, why: str) -> int:
     """Delete a finished rollout folder's shards (the cached latents and final images: nearly all of a
     round's bytes); its manifest, shard stats and every later stage's files stay. PRUNED is written

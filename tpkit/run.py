@@ -224,24 +224,38 @@ def round_done(run_dir: Path, r: int) -> bool:
     return (layout.round_dir(run_dir, r) / layout.ROUND_JSON).is_file() and (stage_dirs(run_dir, r)["train"] / layout.MANIFEST).is_file()
 
 
-def prune_rounds(run_dir: Path, keep: int) -> dict[int, int]:
+def prune_rounds(run_dir: Path, keep: int, full: bool = False) -> dict[int, int]:
     """keep_rounds: delete the rollout shards of finished rounds but round 0 and the last `keep` (0: keep
-    all). Shards are nearly all of a round's bytes (SD3.5-Medium: ~5 MB of cached latents a trajectory)
-    and nothing reads them once the round has trained; manifests, Parquet tables, adapters, optimizer
-    state and evaluations stay, and rerunning that rollout writes the same shards again.
+    all). Shards are nearly all of a LoRA round's bytes (SD3.5-Medium: ~5 MB of cached latents a
+    trajectory) and nothing reads them once the round has trained; manifests, Parquet tables, adapters,
+    optimizer state and evaluations stay, and rerunning that rollout writes the same shards again.
+    full (finetune = full): also those rounds' weights, 12 bytes a parameter a round (9 GB on
+    SD3.5-Medium): the optimizer moments in state/, and model/'s transformer unless the round was
+    evaluated (its weights are the checkpoint an evaluation judged). Their digests stay behind
+    (`layout.prune_weights`), so continuing the run still recognises the rounds that used them.
     Returns {round: bytes freed} for the rounds pruned now."""
     if not keep:
         return {}
     finished = sorted(int(p.name.removeprefix("round-")) for p in Path(run_dir).glob("round-[0-9][0-9][0-9][0-9]")
                       if round_done(run_dir, int(p.name.removeprefix("round-"))))
-    freed = {r: layout.prune_shards(stage_dirs(run_dir, r)["rollout"], f"keep_rounds = {keep}") for r in finished[:-keep] if r}
+    why = f"keep_rounds = {keep}"
+    freed = {}
+    for r in finished[:-keep]:
+        d = stage_dirs(run_dir, r)
+        freed[r] = layout.prune_shards(d["rollout"], why) if r else 0
+        if full:
+            state, model = d["train"] / train.STATE, d["train"] / train.MODEL
+            freed[r] += layout.prune_weights(state, lambda: layout.tree_digest(state), why)
+            if not (layout.eval_dir(run_dir, r) / layout.MANIFEST).is_file():
+                freed[r] += layout.prune_weights(model, lambda: models.content_id(str(model)), why)
     return {r: b for r, b in freed.items() if b}
 
 
-def _prune(run_dir: Path, keep: int) -> None:
-    if freed := prune_rounds(run_dir, keep):
-        console.print(f"keep_rounds = {keep}: deleted the rollout shards of round(s) {', '.join(str(r + 1) for r in freed)} "
-                      f"({sum(freed.values()) / 2**20:.1f} MiB)")
+def _prune(run_dir: Path, recipe: Recipe) -> None:
+    if freed := prune_rounds(run_dir, recipe.keep_rounds, recipe.train.finetune == "full"):
+        what = "rollout shards" + (" and trained weights" if recipe.train.finetune == "full" else "")
+        console.print(f"keep_rounds = {recipe.keep_rounds}: deleted the {what} of round(s) "
+                      f"{', '.join(str(r + 1) for r in freed)} ({sum(freed.values()) / 2**20:.1f} MiB)")
 
 
 def round_summary(run_dir: Path, r: int, seconds: dict) -> dict:
@@ -391,10 +405,10 @@ def run(recipe: Recipe, overwrite: bool = False) -> list[dict]:
             report.write(run_dir, write_rounds(run_dir, recipe.rounds))
             if tracker:
                 log_round(tracker, recipe, run_dir, line)
-            _prune(run_dir, recipe.keep_rounds)
+            _prune(run_dir, recipe)
     if rank != 0:
         return []
-    _prune(run_dir, recipe.keep_rounds)  # keep_rounds may have been lowered for a finished run
+    _prune(run_dir, recipe)  # keep_rounds may have been lowered for a finished run
     rounds_file = run_dir / layout.ROUNDS_FILE
     before = rounds_file.read_bytes() if rounds_file.is_file() else None
     lines = write_rounds(run_dir, recipe.rounds)

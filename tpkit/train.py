@@ -117,7 +117,7 @@ def identity(cfg: TrainConfig, rollout: dict, adv_files: list[Path]) -> dict:
         "rollout_id": rollout.get("rollout_id"),
         "advantages_sha256": layout.digests(adv_files),
         "init_lora_sha256": layout.tree_digest(policy_adapter(cfg.init_lora)) if cfg.init_lora else None,
-        "init_state_sha256": layout.tree_digest(state) if state and state.is_dir() else None},
+        "init_state_sha256": (layout.pruned_digest(state) or layout.tree_digest(state)) if state and state.is_dir() else None},
         leave_out=("rollout", "advantages", "init_lora", "init_state"))
 
 
@@ -250,6 +250,9 @@ def run(cfg: TrainConfig) -> dict:
     check_init_lora(cfg)
     if cfg.init_state and not Path(cfg.init_state).is_dir():
         raise InputError(f"--init-state {cfg.init_state}: not a folder", "pass the state/ folder of a previous `tpkit train`")
+    if (state := state_in(cfg)) and (state / layout.PRUNED).is_file():  # continuing it would start AdamW afresh
+        raise InputError(f"{state}: its optimizer state was deleted by `tpkit run` (keep_rounds) once later rounds had trained",
+                         "continue from a round it kept (the last keep_rounds), or set keep_rounds = 0")
     tracking.check_kind(cfg.log_with)
     # Inputs checked before --overwrite clears anything: the advantages belong to this rollout, finite.
     adv_meta = check_advantages_belong(rollout, Path(cfg.rollout), Path(cfg.advantages), adv_files)

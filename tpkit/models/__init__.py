@@ -103,7 +103,7 @@ def content_id(model: str) -> str | None:
     folder = Path(model).expanduser()
     if any(model in family(n).BUILTIN for n in FAMILIES) or not folder.is_dir():
         return None
-    return layout.sampled_digest(folder)
+    return layout.pruned_digest(folder) or layout.sampled_digest(folder)  # a pruned round's model: what it was
 
 
 def check_unchanged(rollout_manifest: dict, rollout_dir: Path) -> None:

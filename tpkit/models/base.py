@@ -22,7 +22,7 @@ import torch
 
 from tpkit import hub
 from tpkit.errors import ModelError
-from tpkit.layout import umask
+from tpkit.layout import PRUNED, umask
 from tpkit.runtime import pick_device, pick_dtype, quiet_libraries, set_cpu_threads, tpkit_home, tune_cpu_allocator
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' file name inside an adapter folder
@@ -330,6 +330,9 @@ def load(cls: type[Model], model: str, path: str, device: str = "auto", dtype: s
                 if fuse_lora and not m.lora_fused:
                     _fuse(m)
                 return m
+    if (Path(path).expanduser() / PRUNED).is_file():
+        raise ModelError(f"{path}: its weights were deleted by `tpkit run` (keep_rounds) once later rounds had trained",
+                         "use a round it kept (the last keep_rounds and every evaluated one), or set keep_rounds = 0")
     quiet_libraries()
     import diffusers
 
