@@ -424,13 +424,14 @@ def ablations(all_jobs: list[Job], base: dict, key: str, title: str, beside: lis
     metric after 3 and after the last round as mean and 95 % interval over seeds, the paired difference from the
     main run (same seed: same first rollout noise, LoRA init and evaluation images), train reward, turning-point
     rate, ties and transformer calls."""
+    main = {j.seed: j for j in all_jobs if j.main and j.method == "tp-grpo"}
     settings: dict[str, list[Job]] = {}
-    for j in all_jobs:
-        if j.overrides and j.rounds is None and (j.out / "rounds.jsonl").is_file():
+    for j in all_jobs:  # finished ablation runs only (as many rounds as the main run of their seed)
+        if j.overrides and j.rounds is None and j.seed in main and (j.out / "rounds.jsonl").is_file() \
+                and len(rounds_of(j)) >= len(rounds_of(main[j.seed])):
             settings.setdefault(", ".join(j.overrides), []).append(j)
     if not settings:
         return []
-    main = {j.seed: j for j in all_jobs if j.main and j.method == "tp-grpo"}
     seeds = sorted({j.seed for js in settings.values() for j in js if j.seed in main})
     settings = {"K = 9, a = 0.7 (main)": [main[s] for s in seeds],
                 **{k: [j for j in js if j.seed in main] for k, js in settings.items()}}
@@ -451,8 +452,8 @@ def ablations(all_jobs: list[Job], base: dict, key: str, title: str, beside: lis
     for label, js in settings.items():
         runs = [rounds_of(j) for j in js]
         after3 = [next((r["eval"][key] for i, r in enumerate(rs) if r.get("eval") and i + 1 == 3), float("nan")) for rs in runs]
-        vs = [fmt(mean_ci([final(j, k) - final(main[j.seed], k) for j in js])) if "main" not in label else ""
-              for k in (key, *beside)]
+        vs = [("{:+.3f} ± {:.3f}".format(*mean_ci([final(j, k) - final(main[j.seed], k) for j in js])))
+              if "main" not in label else "" for k in (key, *beside)]
         zero = [v for rs in runs for r in rs for v in (r.get("zero_step_rewards_per_step") or []) if v is not None]
         mean = lambda k: sum(r[k] for rs in runs for r in rs) / sum(len(rs) for rs in runs)  # noqa: E731
         L.append(f"| {label} | {len(js)} | {fmt(mean_ci(after3))} | {fmt(mean_ci([final(j, key) for j in js]))} | "
@@ -564,6 +565,7 @@ def main() -> None:
     p.add_argument("--long-rounds", type=int, default=0, help="also Flow-GRPO for this many rounds (18: about TP-GRPO's "
                                                                 "time for 6), continued from a copy of the comparison's run")
     p.add_argument("--long-seeds", type=int, nargs="+", help="seeds of those (default: the first three)")
+    p.add_argument("--report-only", action="store_true", help="run nothing: report the runs that finished")
     p.add_argument("--recheck-steps", type=int, default=0, help="also evaluate every final adapter and the base model "
                                                                   "at this many ODE steps (40: the paper's), 2 images a prompt")
     args = p.parse_args()
@@ -573,14 +575,16 @@ def main() -> None:
     make_folders(args.runs, args.out)
     t0 = time.time()
     all_jobs = jobs(args.seeds, args.runs, (args.ablation_seeds or args.seeds[:3]) if args.ablations else [], args.reward)
-    run_jobs([j for j in all_jobs if not finished(j, args.rounds)], args.rounds, args.jobs)
+    if not args.report_only:
+        run_jobs([j for j in all_jobs if not finished(j, args.rounds)], args.rounds, args.jobs)
     if args.long_rounds:  # after the comparison's runs, which they continue
         long = long_jobs(args.long_seeds or args.seeds[:3], args.runs, args.long_rounds, args.reward)
-        for j in long:
-            if not finished(j, args.rounds):
-                reuse_short(j, all_jobs)
         all_jobs += long
-        run_jobs([j for j in long if not finished(j, args.rounds)], args.rounds, args.jobs)
+        if not args.report_only:
+            for j in long:
+                if not finished(j, args.rounds):
+                    reuse_short(j, all_jobs)
+            run_jobs([j for j in long if not finished(j, args.rounds)], args.rounds, args.jobs)
     base = base_eval(all_jobs)
     extra = recheck(all_jobs, args.rounds, args.recheck_steps, args.runs, args.reward) if args.recheck_steps else []
     print(report(args.out, all_jobs, args.seeds, base, time.time() - t0, args.reward, extra))
