@@ -92,3 +92,26 @@ def as_written(table_file: Path) -> None:
     manifest = json.loads(path.read_text())
     manifest["files_sha256"][Path(table_file).name] = layout.file_digest(Path(table_file))
     path.write_text(json.dumps(manifest))
+
+
+def branch_0_by_hand(run: Path, model, resolution: int = 64) -> tuple[float, float]:
+    """(the brightness score recorded for branch 0 of a run's first trajectory, that of its ODE sample
+    recomputed here from the rollout's noise with `model`): branch 0 is the ODE completion from s_0."""
+    import torch
+    from PIL import Image
+
+    from tpkit import formulas, layout
+    from tpkit.rewards.registry import brightness
+
+    prompts, trajs = layout.read_shard(layout.list_shards(run / "rollout")[0])
+    t = trajs[0]
+    s = t.meta["sigmas"]
+    x = torch.randn(model.latent_shape(resolution), generator=torch.Generator().manual_seed(t.meta["seed"]))[None]
+    with torch.no_grad():
+        for j in range(len(s) - 1):
+            v = model.velocity(x, torch.tensor([s[j]]), prompts[t.meta["prompt_id"]].embeds, t.meta["guidance"])
+            x = formulas.ode_step(x, v, s[j], s[j + 1])
+    ours = brightness({})([Image.fromarray(model.decode(x)[0])], [], [])[0]
+    row = next(r for r in layout.read_parquet_tables(run / "score", "score").to_pylist()
+               if r["trajectory_id"] == t.trajectory_id and r["branch"] == 0)
+    return row["reward"], ours

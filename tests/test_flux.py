@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import cli
+from conftest import branch_0_by_hand, cli
 
 from tpkit import formulas, layout, models
 from tpkit.models import base, flux
@@ -153,22 +153,8 @@ def test_family_is_recorded_and_flux_encodings_stored(flux_run):
 
 
 def test_branch_0_is_the_ode_sample_from_the_rollout_noise(flux_run, tiny_flux):
-    prompts, trajs = layout.read_shard(layout.list_shards(flux_run / "rollout")[0])
-    t = trajs[0]
-    s = t.meta["sigmas"]
-    x = torch.randn(tiny_flux.latent_shape(RES), generator=torch.Generator().manual_seed(t.meta["seed"]))[None]
-    with torch.no_grad():
-        for j in range(len(s) - 1):
-            x = formulas.ode_step(x, tiny_flux.velocity(x, torch.tensor([s[j]]), prompts[t.meta["prompt_id"]].embeds,
-                                                        t.meta["guidance"]), s[j], s[j + 1])
-    from PIL import Image
-
-    from tpkit.rewards.registry import brightness
-
-    ours = brightness({})([Image.fromarray(tiny_flux.decode(x)[0])], [], [])[0]
-    row = next(r for r in layout.read_parquet_tables(flux_run / "score", "score").to_pylist()
-               if r["trajectory_id"] == t.trajectory_id and r["branch"] == 0)
-    assert row["reward"] == pytest.approx(ours, abs=1e-3)  # the same image (up to batch-size rounding)
+    recorded, recomputed = branch_0_by_hand(flux_run, tiny_flux)
+    assert recorded == pytest.approx(recomputed, abs=1e-3)  # the same image (up to batch-size rounding)
 
 
 def test_first_training_ratio_is_exactly_one_with_the_reference_pass(flux_run):
