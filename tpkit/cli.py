@@ -9,7 +9,7 @@ How errors are reported (one or two lines, an exit code, `--debug` for traceback
 
 from __future__ import annotations
 
-import inspect
+import inspect as pyinspect  # not `inspect`: the `tpkit inspect` command below takes that name
 import sys
 import typing
 from pathlib import Path
@@ -48,9 +48,9 @@ def eval_options(*names: str):
     hints = typing.get_type_hints(EvalConfig)
 
     def add(fn):
-        sig = inspect.signature(fn)
-        own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=opt(EvalConfig, n), annotation=hints[n])
+        sig = pyinspect.signature(fn)
+        own = [p for p in sig.parameters.values() if p.kind is not pyinspect.Parameter.VAR_KEYWORD]
+        added = [pyinspect.Parameter(n, pyinspect.Parameter.KEYWORD_ONLY, default=opt(EvalConfig, n), annotation=hints[n])
                  for n in names]
         fn.__signature__ = sig.replace(parameters=own + added)
         return fn
