@@ -128,6 +128,10 @@ def test_a_finished_full_run_is_kept_and_the_eval_reads_the_model(full_run):
     ({"ema": True}, "ema = true is not supported with finetune = full"),
     ({"init_lora": "/x/adapter"}, "--init-lora"),
     ({"finetune": "partial"}, "finetune"),
+    # sharding (tests/test_distributed.py runs it): what it does not support yet is refused up front, by name
+    ({"fsdp": True, "finetune": "lora", "ema": True}, "fsdp = true does not support ema = true"),
+    ({"fsdp": True, "optimizer": "adamw8bit"}, "fsdp = true does not support optimizer = adamw8bit"),
+    ({"fsdp": True, "mixed_precision": "fp16"}, "fsdp = true does not support mixed_precision = fp16"),
 ])
 def test_full_finetune_refuses_what_it_cannot_do(opts, words):
     with pytest.raises(ConfigError) as e:

@@ -192,6 +192,7 @@ def train(
     ema_decay: float = opt(TrainConfig, "ema_decay"),
     ema_every: int = opt(TrainConfig, "ema_every"),
     gradient_checkpointing: bool = opt(TrainConfig, "gradient_checkpointing"),
+    fsdp: bool = opt(TrainConfig, "fsdp"),
     max_bad_steps: int = opt(TrainConfig, "max_bad_steps"),
     allow_no_op: bool = opt(TrainConfig, "allow_no_op"),
     seed: int = opt(TrainConfig, "seed"),
@@ -212,7 +213,7 @@ def train(
         clip_range=clip_range, adv_clip=adv_clip, beta=beta, kl=kl, drop_zero_advantage=drop_zero_advantage,
         optimizer_steps=optimizer_steps, ema_every=ema_every,
         micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, mixed_precision=mixed_precision, ema=ema,
-        ema_decay=ema_decay, gradient_checkpointing=gradient_checkpointing, max_bad_steps=max_bad_steps,
+        ema_decay=ema_decay, gradient_checkpointing=gradient_checkpointing, fsdp=fsdp, max_bad_steps=max_bad_steps,
         allow_no_op=allow_no_op, seed=seed,
         checkpoint_every=checkpoint_every, overwrite=overwrite, log_with=log_with, device=device, dtype=dtype,
     )

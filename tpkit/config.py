@@ -402,6 +402,9 @@ class TrainConfig:
     ema_decay: float = doc(0.9, "EMA decay (after the release's warm-up).")  # warm-up: min((1 + g) / (10 + g), decay)
     ema_every: int = doc(8, "Update the EMA every N optimizer steps.")  # the release's 8
     gradient_checkpointing: bool = doc(False, "Trade compute for activation memory.")
+    fsdp: bool = doc(False, "Shard the trained weights, gradients and optimizer state over the processes (FSDP2, "
+                            "each transformer block a unit) instead of a full copy on each (DDP); also on under "
+                            "`accelerate launch` with an FSDP config.")
     max_bad_steps: int = doc(3, "Stop after this many non-finite steps in a row.")
     checkpoint_every: int = doc(1, "Save a resumable checkpoint (adapter + optimizer) every N optimizer steps "
                                    "(0: only the final save).")
@@ -426,6 +429,12 @@ class TrainConfig:
         if self.finetune == "full" and self.ema:
             raise ConfigError("ema = true is not supported with finetune = full yet (it would keep a second float32 "
                               "copy of every weight)", "set train.ema = false, or use finetune = lora")
+        if self.fsdp and (self.ema or self.optimizer == "adamw8bit" or self.mixed_precision == "fp16"):
+            what = "ema = true" if self.ema else ("optimizer = adamw8bit" if self.optimizer == "adamw8bit" else
+                                                  "mixed_precision = fp16")
+            raise ConfigError(f"fsdp = true does not support {what} yet",
+                              "use fsdp with ema = false, optimizer = adamw and mixed_precision = bf16 or no; "
+                              "or DDP (fsdp = false)")
         if self.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError("optimizer = adamw8bit needs bitsandbytes, which is not installed",
                               "pip install bitsandbytes (or pip install 'tpkit[8bit]'), or use optimizer = adamw")

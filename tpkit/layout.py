@@ -296,7 +296,8 @@ WHERE_OPTIONS = ("out", "rank", "world_size", "overwrite", "device")
 # them too (after a crash, on another machine). `on_nan`: a score file written under `stop` is the
 # same under `drop`, so a run stopped by a NaN reward resumes with drop.
 RUN_ONLY = {"score": ("reward_workers", "on_nan"),
-            "train": ("checkpoint_every", "max_bad_steps", "allow_no_op", "log_with")}
+            "train": ("checkpoint_every", "max_bad_steps", "allow_no_op", "log_with",
+                      "fsdp")}  # how the processes split the work, like their number: the same result within rounding
 # ... and reward options of that kind: `workers` spreads the shapes detector over processes, which
 # find the same objects (tests/test_shapes_detect.py). Not batch sizes: another batch shape may round
 # differently.

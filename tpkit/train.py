@@ -8,7 +8,9 @@ Micro-batches replay the rollout's own transformer batches (the same trajectorie
 step, in the same order), so on unchanged weights the recomputed log-probs equal the stored ones
 bit for bit and the first ratio is exactly 1. The round's micro-batches are shuffled (seeded) and
 split evenly into `optimizer_steps` optimizer steps. Runs under `accelerate` (DDP with
-`accelerate launch`): each rank takes every world-th micro-batch of a step.
+`accelerate launch`): each rank takes every world-th micro-batch of a step. With fsdp = true the
+weights, gradients and optimizer state are sharded over the ranks instead (`tpkit.sharding`); the
+files written are the same.
 
 As in the release, trajectories whose advantage is 0 at every step are left out of the loss (they
 carry no policy gradient; kept, they would only dilute the loss average and, with beta > 0, add KL).
@@ -37,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpkit import formulas, layout, memory, models, runtime, tracking
+from tpkit import formulas, layout, memory, models, runtime, sharding, tracking
 from tpkit.config import TrainConfig, lora_targets, to_dict
 from tpkit.errors import InputError, TpkitError
 from tpkit.models import base as model_base
@@ -242,6 +244,7 @@ def plan_steps(batches: list[MicroBatch], cfg: TrainConfig, global_step: int) ->
 
 
 def run(cfg: TrainConfig) -> dict:
+    cfg.fsdp = cfg.fsdp or sharding.requested_by_launcher()
     cfg.validate()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     rollout = layout.read_manifest(Path(cfg.rollout), "rollout")
@@ -271,11 +274,13 @@ class TrainState:
 
     accelerator: Any
     model: Any  # the tpkit.models model; model.transformer is the unwrapped transformer (EMA, saving)
-    transformer: Any  # model.transformer as accelerate prepared it (DDP-wrapped under `accelerate launch`)
+    transformer: Any  # model.transformer as accelerate prepared it (DDP-wrapped under `accelerate launch`), or sharded
     reference: Any  # finetune = full: the frozen base transformer for the KL (None: LoRA's adapters off, or beta = 0)
     lora_config: Any  # None with finetune = full
     params: list  # the trainable parameters (the LoRA's, or every weight)
-    optimizer: Any  # AdamW as accelerate prepared it
+    names: list  # their names, in the same order (the optimizer's numbering in saved state)
+    sharded: bool  # fsdp over more than one process: params are DTensor shards, saving gathers them
+    optimizer: Any  # AdamW (as accelerate prepared it, unless sharded)
     optimizer_kind: str  # TrainConfig.optimizer, saved beside its state (the kinds' states do not convert)
     finetune: str  # TrainConfig.finetune: what params are (the LoRA's, or every weight)
     ema: dict | None  # float32 EMA of the LoRA weights (None without --ema; never with finetune = full)
@@ -336,7 +341,7 @@ def _read_inputs(cfg: TrainConfig, rollout: dict, adv: dict, adv_meta: dict,
 def _setup(cfg: TrainConfig, rollout: dict, embeds: dict, meta: dict, on_cpu: bool, phases: Phases) -> TrainState:
     """Step 2: the state to continue from (the previous round's adapter and state, or this stage's
     checkpoint), the model with its LoRA (or every weight trainable), AdamW and EMA, prepared by
-    accelerate; with finetune = full and beta > 0, the frozen reference model."""
+    accelerate (or sharded with fsdp); with finetune = full and beta > 0, the frozen reference model."""
     from accelerate import Accelerator
 
     out = Path(cfg.out)
@@ -346,36 +351,60 @@ def _setup(cfg: TrainConfig, rollout: dict, embeds: dict, meta: dict, on_cpu: bo
     resume = _read_checkpoint(out) if not (out / layout.MANIFEST).is_file() else None
 
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=on_cpu)
-    model, lora_config = _load_model(cfg, rollout, str(accelerator.device), init_lora, phases)
-    reference = _load_reference(cfg, rollout, str(accelerator.device), phases)
-    params = [p for p in model.transformer.parameters() if p.requires_grad]
-    optimizer = _adamw(cfg, params, state)
+    device = accelerator.device
+    sharded = cfg.fsdp and accelerator.num_processes > 1
+    # sharded: each process reads the whole model into CPU memory, and only its shard goes to the device
+    load_on = torch.device("cpu") if sharded else device
+    model, lora_config = _load_model(cfg, rollout, load_on, device, init_lora, phases)
+    reference = _load_reference(cfg, rollout, load_on, device, phases)
+    if resume:  # a killed run of this stage: its weights, before they are sharded
+        model_base.load_trained_state(model.transformer, _checkpoint_weights(out / CHECKPOINT), cfg.finetune)
+    if sharded:
+        with phases("load"):
+            for module in (model.transformer, reference):
+                if module is not None:
+                    sharding.shard(module, device, accelerator.num_processes)
+            model.device = device
+    trained = [(n, p) for n, p in model.transformer.named_parameters() if p.requires_grad]
+    params, names = [p for _, p in trained], [n for n, _ in trained]
+    optimizer = _adamw(cfg, params)
+    moments = out / CHECKPOINT if resume else state  # the checkpoint's, or the previous round's
+    if moments and (moments / "optimizer.pt").is_file():
+        _load_optimizer(moments, optimizer, cfg.optimizer, model.transformer if sharded else None, names)
+        for group in optimizer.param_groups:  # the moments continue; the settings are this config's, not the saved ones
+            group.update(_adamw_settings(cfg))
     ema = _load_ema(state, model.transformer) if cfg.ema else None
     metrics, bad_in_row, steps_done = [], 0, 0
-    if resume:  # a killed run of this stage: continue after its last finished optimizer step
-        ema = _restore_checkpoint(out / CHECKPOINT, model.transformer, optimizer, cfg, cfg.ema)
+    if resume:  # continue after its last finished optimizer step
+        if cfg.ema and (out / CHECKPOINT / "ema.safetensors").is_file():
+            from safetensors.torch import load_file
+
+            ema = load_file(out / CHECKPOINT / "ema.safetensors")
         metrics, bad_in_row, steps_done = resume["metrics"], resume["bad_in_row"], resume["steps_done"]
         global_step, round_start = resume["global_step"], resume["round_start"]
-    transformer, optimizer = accelerator.prepare(model.transformer, optimizer)
-    device = accelerator.device
+    transformer = model.transformer
+    if not sharded:
+        transformer, optimizer = accelerator.prepare(transformer, optimizer)
     return TrainState(
         accelerator=accelerator, model=model, transformer=transformer, reference=reference, lora_config=lora_config,
-        params=params,
+        params=params, names=names, sharded=sharded,
         optimizer=optimizer, optimizer_kind=cfg.optimizer, finetune=cfg.finetune, ema=ema, embeds={pid: {k: v.to(device) for k, v in e.items()} for pid, e in embeds.items()},
         settings=dict(sampler=meta["sampler"], noise_level=meta["noise_level"], sigma_1=meta["sigmas"][1],
                       guidance=meta["guidance"]),
         global_step=global_step, round_start=round_start, metrics=metrics, bad_in_row=bad_in_row, steps_done=steps_done)
 
 
-def _load_model(cfg: TrainConfig, rollout: dict, device: str, init_lora: str | None, phases: Phases):
+def _load_model(cfg: TrainConfig, rollout: dict, load_on: torch.device, device: torch.device, init_lora: str | None,
+                phases: Phases):
     """The rollout's transformer (no text encoders, no VAE), frozen, with a trainable LoRA (a fresh
     one, seeded, or init_lora's); or, with finetune = full, every weight trainable in float32 (loaded
-    in float32: a previous round saved them so). Returns (model, LoRA config or None)."""
+    in float32: a previous round saved them so). Loaded onto `load_on` in the dtype train.dtype gives on
+    `device` (where it trains). Returns (model, LoRA config or None)."""
     model_base.release()  # an inference pipeline kept by rollout/score would only take memory now
     full = cfg.finetune == "full"
     with phases("load"):
-        model = models.load(rollout["config"]["model"], models.recorded(rollout["config"]), device=device,
-                            dtype="float32" if full else cfg.dtype, text_encoders=False, vae=False)
+        model = models.load(rollout["config"]["model"], models.recorded(rollout["config"]), device=str(load_on),
+                            dtype="float32" if full else _dtype_name(cfg.dtype, device), text_encoders=False, vae=False)
         lora_config = None
         if full:
             model_base.make_fully_trainable(model.transformer)
@@ -392,7 +421,12 @@ def _load_model(cfg: TrainConfig, rollout: dict, device: str, init_lora: str | N
     return model, lora_config
 
 
-def _load_reference(cfg: TrainConfig, rollout: dict, device: str, phases: Phases):
+def _dtype_name(dtype: str, device: torch.device) -> str:
+    """train.dtype as `models.load` takes it, resolved for `device` ("auto": bfloat16 on GPUs)."""
+    return str(runtime.pick_dtype(dtype, device)).removeprefix("torch.")
+
+
+def _load_reference(cfg: TrainConfig, rollout: dict, load_on: torch.device, device: torch.device, phases: Phases):
     """finetune = full with beta > 0: the base model's transformer (the run's first model, which a
     fully fine-tuned folder names), frozen, in train.dtype: a second copy of the weights in memory.
     None otherwise (a LoRA's reference is its own adapters switched off)."""
@@ -400,26 +434,22 @@ def _load_reference(cfg: TrainConfig, rollout: dict, device: str, phases: Phases
         return None
     with phases("load"):
         base = model_base.base_model(rollout["config"]["model"])
-        return models.load(base, models.recorded(rollout["config"]), device=device, dtype=cfg.dtype,
-                           text_encoders=False, vae=False).transformer
+        return models.load(base, models.recorded(rollout["config"]), device=str(load_on),
+                           dtype=_dtype_name(cfg.dtype, device), text_encoders=False, vae=False).transformer
 
 
-def _adamw(cfg: TrainConfig, params: list, state_in: Path | None) -> torch.optim.Optimizer:
-    """AdamW (torch's, or bitsandbytes' with 8-bit moments) over the trained parameters, with the previous
-    round's moments when it saved them (by the same optimizer: the two kinds' states do not convert)."""
-    settings = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.adam_weight_decay,
-                    eps=cfg.adam_epsilon)
+def _adamw_settings(cfg: TrainConfig) -> dict:
+    return dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.adam_weight_decay,
+                eps=cfg.adam_epsilon)
+
+
+def _adamw(cfg: TrainConfig, params: list) -> torch.optim.Optimizer:
+    """AdamW (torch's, or bitsandbytes' with 8-bit moments) over the trained parameters, fresh moments."""
     if cfg.optimizer == "adamw8bit":
         import bitsandbytes  # validated as installed by TrainConfig
 
-        optimizer = bitsandbytes.optim.AdamW8bit(params, **settings)
-    else:
-        optimizer = torch.optim.AdamW(params, **settings)
-    if state_in and (state_in / "optimizer.pt").is_file():
-        _load_optimizer(state_in, optimizer, cfg.optimizer)
-        for group in optimizer.param_groups:  # the moments continue; the settings are this config's, not the saved ones
-            group.update(settings)
-    return optimizer
+        return bitsandbytes.optim.AdamW8bit(params, **_adamw_settings(cfg))
+    return torch.optim.AdamW(params, **_adamw_settings(cfg))
 
 
 def _trainer_state(folder: Path) -> dict:
@@ -428,16 +458,26 @@ def _trainer_state(folder: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _load_optimizer(folder: Path, optimizer, kind: str) -> None:
+def _load_optimizer(folder: Path, optimizer, kind: str, sharded_model, names: list[str]) -> None:
     """Load folder/optimizer.pt, saved by an optimizer of the same kind (trainer.json says which; states
-    saved before it did are torch's AdamW)."""
-    saved = _trainer_state(folder).get("optimizer", "adamw")
-    if saved != kind:
-        raise TrainError(f"{folder} holds the moments of optimizer = {saved}; this round uses {kind}",
-                         f"keep train.optimizer = {saved} for this run, or start a new one (no --init-lora)")
+    saved before it did are torch's AdamW) over the same parameters (`names`, in the optimizer's order).
+    `sharded_model`: the sharded transformer whose optimizer this is (None: not sharded)."""
+    saved_kind = _trainer_state(folder).get("optimizer", "adamw")
+    if saved_kind != kind:
+        raise TrainError(f"{folder} holds the moments of optimizer = {saved_kind}; this round uses {kind}",
+                         f"keep train.optimizer = {saved_kind} for this run, or start a new one (no --init-lora)")
+    # sharded: memory-mapped, so that each process reads only the slices it keeps
+    saved = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True, mmap=sharded_model is not None)
+    mismatch = (f"{len(names)} trained parameters, {sum(len(g['params']) for g in saved['param_groups'])} saved"
+                if sum(len(g["params"]) for g in saved["param_groups"]) != len(names) else None)
     try:
-        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
-    except ValueError as e:  # torch: "... doesn't match the size of optimizer's group"
+        if mismatch:
+            raise ValueError(mismatch)
+        if sharded_model is None:
+            optimizer.load_state_dict(saved)
+        else:
+            sharding.load_optimizer_state(sharded_model, optimizer, saved, names)
+    except (ValueError, KeyError, RuntimeError) as e:  # torch: "... doesn't match the size of optimizer's group"
         raise TrainError(f"{folder} holds optimizer moments of other parameters than this round trains ({e})",
                          "continue with the state/ of a round trained with the same finetune and LoRA settings, "
                          "or start without one") from None
@@ -484,20 +524,27 @@ def _optimizer_step(st: TrainState, cfg: TrainConfig, step_batches: list[MicroBa
 def _accumulate(st: TrainState, cfg: TrainConfig, computed: list[MicroBatch], n_samples: int, advance,
                 phases: Phases) -> torch.Tensor:
     """Forward and backward of each of this process's micro-batches of a step (every world-th), the
-    gradients all-reduced on the last only. Returns this process's metric sums (float64 [9])."""
+    gradients all-reduced on the last only (sharded: reduce-scattered after each, so no process holds a
+    whole gradient). Returns this process's metric sums (float64 [9])."""
     accelerator = st.accelerator
-    mine = computed[accelerator.process_index:: accelerator.num_processes]
+    world = accelerator.num_processes
+    mine = computed[accelerator.process_index:: world]
+    # Sharded, every process takes part in each forward's and backward's gathers: one with fewer
+    # micro-batches than the others repeats its first with the loss times 0 (no gradient, no metrics).
+    fillers = -(-len(computed) // world) - len(mine) if st.sharded else 0
     sums = torch.zeros(9, dtype=torch.float64, device=accelerator.device)
-    for i, b in enumerate(mine):
-        sync = i == len(mine) - 1
-        ctx = accelerator.no_sync(st.transformer) if not sync else contextlib.nullcontext()
+    for i, b in enumerate(mine + mine[:1] * fillers):
+        sync = i == len(mine) + fillers - 1
+        filler = i >= len(mine)
+        ctx = accelerator.no_sync(st.transformer) if not (sync or st.sharded) else contextlib.nullcontext()
         with ctx:
             loss, stats = _micro_batch_loss(st.model, st.transformer, st.reference, b, st.embeds, st.settings, cfg,
                                             accelerator, phases)
             with phases("backward"):
-                accelerator.backward(loss * accelerator.num_processes / n_samples)
-        sums += stats
-        advance(1)
+                accelerator.backward(loss * (0.0 if filler else world / n_samples))
+        if not filler:
+            sums += stats
+            advance(1)
     return sums
 
 
@@ -506,8 +553,8 @@ def _clip_and_step(st: TrainState, cfg: TrainConfig, sums: torch.Tensor) -> tupl
     if loss and gradient are finite. Returns (summed metric sums, gradient norm, finite)."""
     accelerator = st.accelerator
     sums = accelerator.reduce(sums, reduction="sum")
-    grad_norm = accelerator.clip_grad_norm_(st.params, cfg.max_grad_norm)
-    grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+    grad_norm = accelerator.clip_grad_norm_(st.params, cfg.max_grad_norm)  # of the whole gradient, also sharded
+    grad_norm = float(sharding.whole(grad_norm)) if grad_norm is not None else float("nan")
     finite = bool(torch.isfinite(sums).all()) and np.isfinite(grad_norm)
     if finite:
         st.optimizer.step()
@@ -521,14 +568,29 @@ def _clip_and_step(st: TrainState, cfg: TrainConfig, sums: torch.Tensor) -> tupl
 
 
 def _checkpoint_step(st: TrainState, out: Path, steps_done: int, phases: Phases) -> None:
-    """A mid-round checkpoint after `steps_done` optimizer steps of this round (written by the main process)."""
+    """A mid-round checkpoint after `steps_done` optimizer steps of this round (written by the main process;
+    sharded, every process gathers)."""
     with phases("checkpoint"):
+        weights, moments = _trained_state(st), _optimizer_state(st)
         if st.accelerator.is_main_process:
-            _write_checkpoint(out / CHECKPOINT, st.accelerator.unwrap_model(st.transformer), st.optimizer, st.optimizer_kind,
-                              st.finetune, st.ema, {
+            _write_checkpoint(out / CHECKPOINT, weights, moments, st.optimizer_kind, st.ema, {
                 "steps_done": steps_done, "global_step": st.global_step, "round_start": st.round_start,
                 "metrics": st.metrics, "bad_in_row": st.bad_in_row})
         st.accelerator.wait_for_everyone()
+
+
+def _trained_state(st: TrainState) -> dict | None:
+    """The weights train updates (the LoRA's, or every weight), whole; gathered onto the main process
+    when sharded (None on the others; every process calls this)."""
+    trained = model_base.trained_state(st.accelerator.unwrap_model(st.transformer), st.finetune)
+    return sharding.gather(trained, st.accelerator.is_main_process) if st.sharded else trained
+
+
+def _optimizer_state(st: TrainState) -> dict | None:
+    """`optimizer.state_dict()`, whole; gathered onto the main process when sharded (as `_trained_state`)."""
+    if st.sharded:
+        return sharding.optimizer_state(st.transformer, st.optimizer, st.names, st.accelerator.is_main_process)
+    return st.optimizer.state_dict()
 
 
 def _check_learned(st: TrainState, cfg: TrainConfig) -> None:
@@ -540,21 +602,25 @@ def _check_learned(st: TrainState, cfg: TrainConfig) -> None:
                          "or pass --allow-no-op to accept such a round")
 
     trained = model_base.trained_state(st.accelerator.unwrap_model(st.transformer), cfg.finetune)
-    if not all(bool(torch.isfinite(v).all()) for v in trained.values()):
+    finite = torch.tensor(float(all(bool(torch.isfinite(sharding.local(v)).all()) for v in trained.values())),
+                          device=st.accelerator.device)
+    if st.sharded:  # each process sees its shards: all must agree, or one would wait for the others forever
+        finite = st.accelerator.reduce(finite, reduction="mean")
+    if finite.item() < 1:
         raise TrainError(f"the trained {'LoRA' if cfg.finetune == 'lora' else 'model'} holds NaN or infinite weights",
                          "lower --learning-rate (nothing was saved)")
 
 
 def _save(st: TrainState, cfg: TrainConfig, rollout: dict, ident: dict, adv: dict, zero: set[str],
           computed: list[list[MicroBatch]], no_op: bool, phases: Phases) -> dict:
-    """Step 5, by the main process: adapter(s), state and metrics, then the manifest, and the checkpoint
-    goes. Returns the manifest ({} on the other processes)."""
+    """Step 5: adapter(s), state and metrics, then the manifest, and the checkpoint goes; written by the
+    main process (sharded, every process gathers onto it). Returns the manifest ({} on the other processes)."""
     accelerator, out, metrics = st.accelerator, Path(cfg.out), st.metrics
     accelerator.wait_for_everyone()
     manifest = None
+    with phases("save"):
+        _save_outputs(st, out)
     if accelerator.is_main_process:
-        with phases("save"):
-            _save_outputs(st, out)
         transitions = sum(len(b.prompt_ids) for s in computed for b in s)
         manifest = layout.write_manifest(
             out, "train", to_dict(cfg),
@@ -573,6 +639,7 @@ def _save(st: TrainState, cfg: TrainConfig, rollout: dict, ident: dict, adv: dic
                     "nonfinite_steps": sum(not m["finite"] for m in metrics)},
             seconds=phases.rounded(),  # this process's (the main one), this run's (not a killed earlier run's)
             last_metrics=metrics[-1] if metrics else {}, resumed_from_step=st.steps_done,
+            sharded=st.sharded,  # fsdp over more than one process
         )
         shutil.rmtree(out / CHECKPOINT, ignore_errors=True)  # the finished stage supersedes it
     accelerator.wait_for_everyone()
@@ -581,16 +648,21 @@ def _save(st: TrainState, cfg: TrainConfig, rollout: dict, ident: dict, adv: dic
 
 def _save_outputs(st: TrainState, out: Path) -> None:
     """Adapter (with EMA: adapter/ the EMA, adapter-raw/ the trained weights) or, with finetune = full, the
-    model/ pipeline folder; optimizer/EMA state, metrics."""
+    model/ pipeline folder; optimizer/EMA state, metrics. Written by the main process; every process
+    calls this (sharded, they gather the weights and moments onto it)."""
     unwrapped = st.accelerator.unwrap_model(st.transformer)
+    weights = _trained_state(st) if st.sharded else unwrapped
+    moments = _optimizer_state(st)
+    if not st.accelerator.is_main_process:
+        return
     if st.finetune == "full":
-        st.model.save_model(unwrapped, out / MODEL)
+        st.model.save_model(sharding.host(unwrapped, weights) if st.sharded else unwrapped, out / MODEL)
     elif st.ema is not None:  # users and evaluations load adapter/; the next round continues adapter-raw/
-        st.model.save_lora(unwrapped, st.lora_config, out / ADAPTER_RAW)
+        st.model.save_lora(weights, st.lora_config, out / ADAPTER_RAW)
         st.model.save_lora(st.ema, st.lora_config, out / ADAPTER)
     else:
-        st.model.save_lora(unwrapped, st.lora_config, out / ADAPTER)
-    _save_state(out / STATE, st.optimizer, st.optimizer_kind, st.ema, st.global_step)
+        st.model.save_lora(weights, st.lora_config, out / ADAPTER)
+    _save_state(out / STATE, moments, st.optimizer_kind, st.ema, st.global_step)
     layout.atomic_write(out / layout.METRICS_FILE, "".join(json.dumps(m) + "\n" for m in st.metrics).encode())
 
 
@@ -665,14 +737,15 @@ def _update_ema(ema: dict, transformer, decay: float) -> None:
         ema[k].mul_(decay).add_(v.detach().float().cpu(), alpha=1 - decay)
 
 
-def _save_state(folder: Path, optimizer, kind: str, ema: dict | None, global_step: int) -> None:
-    """Optimizer (torch.save of plain tensors, read back with weights_only=True) and its kind, EMA, step."""
+def _save_state(folder: Path, moments: dict, kind: str, ema: dict | None, global_step: int) -> None:
+    """Optimizer state (`optimizer.state_dict()`: torch.save of plain tensors, read back with
+    weights_only=True) and its kind, EMA, step."""
     import io
 
     from safetensors.torch import save
 
     buf = io.BytesIO()
-    torch.save(optimizer.state_dict(), buf)
+    torch.save(moments, buf)
     layout.atomic_write(folder / "optimizer.pt", buf.getvalue())
     if ema is not None:
         layout.atomic_write(folder / "ema.safetensors", save({k: v.contiguous() for k, v in ema.items()}))
@@ -682,17 +755,16 @@ def _save_state(folder: Path, optimizer, kind: str, ema: dict | None, global_ste
 # ---- mid-round checkpoints: a killed train resumes after its last finished optimizer step -----
 
 
-def _write_checkpoint(folder: Path, transformer, optimizer, kind: str, finetune: str, ema: dict | None, progress: dict) -> None:
-    """Trained weights (the LoRA's, or every weight), optimizer, EMA and progress, swapped in as a whole
+def _write_checkpoint(folder: Path, trained: dict, moments: dict, kind: str, ema: dict | None, progress: dict) -> None:
+    """Trained weights (`_trained_state`), optimizer state, EMA and progress, swapped in as a whole
     folder (never half-written)."""
     from safetensors.torch import save
 
     tmp = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    trained = model_base.trained_state(transformer, finetune)
     state = {k: v.detach().float().cpu().contiguous() for k, v in trained.items()}
     layout.atomic_write(tmp / "weights.safetensors", save(state))
-    _save_state(tmp, optimizer, kind, ema, progress["global_step"])
+    _save_state(tmp, moments, kind, ema, progress["global_step"])
     layout.atomic_write_json(tmp / "progress.json", progress)
     old = folder.with_name(f".{folder.name}.old")
     shutil.rmtree(old, ignore_errors=True)
@@ -712,12 +784,11 @@ def _read_checkpoint(out: Path) -> dict | None:
     return json.loads((out / CHECKPOINT / "progress.json").read_text())
 
 
-def _restore_checkpoint(folder: Path, transformer, optimizer, cfg: TrainConfig, with_ema: bool) -> dict | None:
+def _checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The trained weights a checkpoint holds (`_write_checkpoint`)."""
     from safetensors.torch import load_file
 
     weights = folder / "weights.safetensors"
     if not weights.is_file():
         weights = folder / "lora.safetensors"  # the name before full fine-tuning existed
-    model_base.load_trained_state(transformer, load_file(weights), cfg.finetune)
-    _load_optimizer(folder, optimizer, cfg.optimizer)
-    return load_file(folder / "ema.safetensors") if with_ema and (folder / "ema.safetensors").is_file() else None
+    return load_file(weights)
