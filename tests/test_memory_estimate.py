@@ -76,6 +76,73 @@ def test_the_estimate_is_what_the_same_code_allocates_on_real_tensors(name, what
     assert estimated == pytest.approx(measured, rel=0.05), (estimated, measured)
 
 
+# Run by 2 processes (torchrun, gloo): the sharded train estimate on the meta device against what a
+# forward and backward of the same family allocate once its transformer is sharded as train shards it.
+SHARDED = r"""
+import json, os, sys, torch, torch.distributed as dist
+from types import SimpleNamespace
+from tpkit import memory, models, sharding
+from tpkit.config import TrainConfig
+from tpkit.models import base
+
+dist.init_process_group("gloo")
+name, n = sys.argv[1], dist.get_world_size()
+arch = memory.architecture(name)
+res, text, batch = models.default(name, "resolution"), 16, 4
+recipe = SimpleNamespace(train=TrainConfig(finetune="full", fsdp=True, beta=0.0, micro_batch_size=batch),
+                         rollout=SimpleNamespace(batch_size=batch))
+with torch.device("meta"), memory.flash_attention():
+    m = memory.build_model(arch, torch.float32)
+    P = sum(p.numel() for p in m.transformer.parameters())
+    act = lambda b, **kw: memory.velocity_peak(m, arch, b, res, text, 4.5, **kw)
+    parts = memory.train_memory(m, arch, recipe, act, P, 4, n).parts
+torch.manual_seed(0)
+real = memory.build_model(arch, torch.float32, device="cpu")
+base.make_fully_trainable(real.transformer)
+blocks = [m for m in real.transformer.modules() if type(m).__name__ in real.transformer._no_split_modules]
+block = max(sum(p.numel() * 4 for p in m.parameters()) for m in blocks)  # before sharding renames their classes
+sharding.shard(real.transformer, torch.device("cpu"), n)
+x, emb = torch.zeros(batch, *real.latent_shape(res)), memory.embeddings(real, arch.transformer, batch, text, torch.float32)
+with memory.flash_attention(), memory.PeakMemory() as pm:
+    real.velocity(x, torch.full((batch,), 0.5), emb, 4.5).square().mean().backward()
+if dist.get_rank() == 0:
+    print("RESULT", json.dumps({"measured": pm.peak, "parts": parts, "block": block}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-flux", "tiny-qwen-image"])
+def test_the_sharded_train_estimate_is_what_two_sharded_processes_allocate(name, tpkit_home, tmp_path):
+    """train.fsdp over 2 processes: what a sharded forward and backward allocate beyond the shards they
+    hold (the gathered units, the activations, the sharded gradients) is at most the estimate, and the
+    estimate over it by less than two blocks: it counts the next block's gather and a block's whole
+    gradient at the peak, which GPUs overlap with the computing block and gloo's blocking collectives
+    on a CPU do not."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    models.family(models.family_of(name)).resolve(name)
+    script = tmp_path / "sharded.py"
+    script.write_text(SHARDED)
+    launcher = [shutil.which("torchrun")] if shutil.which("torchrun") else [sys.executable, "-m", "torch.distributed.run"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([*launcher, "--standalone", "--nproc_per_node", "2", str(script), name], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))[len("RESULT "):])
+    parts = result["parts"]
+    with torch.device("meta"):
+        P = sum(p.numel() for p in memory.build_model(memory.architecture(name), torch.float32).transformer.parameters())
+    assert parts["trained weights (float32), 1/2"] == P * 4 // 2  # float32 masters, half on each process
+    estimated = sum(v for k, v in parts.items() if k.split(",")[0] in ("their gradients", "activations")
+                    or k.startswith("gathered"))
+    assert result["measured"] <= estimated <= result["measured"] + 2 * result["block"], (parts, result)
+
+
 def test_doctor_warns_where_a_stage_does_not_fit_the_gpu():
     recipe = load_recipe(ROOT / "pipelines" / "sd35m-tpgrpo-pickscore.toml")
     gpu = SimpleNamespace(cuda=SimpleNamespace(device_count=lambda: 1,
@@ -95,6 +162,21 @@ def test_doctor_warns_where_a_stage_does_not_fit_the_gpu():
     train = next(c for c in ctx.checks if c.name == "memory: train")
     assert not train.ok and "trained weights (float32) 8.4 GiB" in train.detail  # 2.24 B x 4 bytes
     assert "optimizer moments 16.7 GiB" in train.detail and "KL reference" in train.detail
+
+
+
+def test_doctor_estimates_a_sharded_train_per_process():
+    """`tpkit doctor RECIPE --set train.fsdp=true --processes 8`: Qwen-Image's full fine-tuning does not fit
+    an 80 GB GPU unsharded and does sharded over 8 (1/8 of its weights, gradients and moments)."""
+    checks = {p: {c.name: c for c in doctor.run(str(ROOT / "pipelines" / "qwen-image-tpgrpo-pickscore.toml"),
+                                                overrides=["train.finetune=full", "train.fsdp=true"], processes=p)}
+              for p in (1, 8)}
+    one, eight = checks[1]["memory: train"].detail, checks[8]["memory: train"].detail
+    assert "trained weights (float32) 76.1 GiB" in one  # 20.4 B x 4 bytes, on one process
+    assert "trained weights (float32), 1/8 9.5 GiB" in eight and "optimizer moments, 1/8 19.0 GiB" in eight
+    assert "gathered whole: the root and 2 blocks" in eight
+    per_process = lambda detail: float(detail.split(" GiB per process")[0])  # noqa: E731
+    assert per_process(one) > 300 and per_process(eight) < 60, (one, eight)
 
 
 @pytest.mark.parametrize("kind", ["velocity", "decode", "train"])

@@ -400,12 +400,15 @@ def doctor(
     model: Optional[str] = typer.Option(None, help="Hub id, local folder or tiny-sd3 (replaces the recipe's)."),
     reward: List[str] = typer.Option([], help="NAME[=WEIGHT] of a reward to check, repeatable (besides the recipe's)."),
     reward_opt: List[str] = typer.Option([], help="NAME.OPTION=VALUE, e.g. pickscore.model=/models/PickScore_v1."),
+    set_: List[str] = typer.Option([], "--set", help="KEY=VALUE overriding the recipe, as for `tpkit run`."),
+    processes: int = typer.Option(1, min=1, help="Processes the run will start (train's memory per process with "
+                                                "train.fsdp = true is 1/N of the weights and optimizer state)."),
 ) -> None:
     """Check the environment before a long run: torch/CUDA, libraries, disk, models and reward weights (offline)."""
     from tpkit import doctor as checks_
 
     checks = checks_.run(str(recipe) if recipe else None, out=str(out) if out else None, model=model,
-                         rewards=list(reward), reward_opts=list(reward_opt))
+                         rewards=list(reward), reward_opts=list(reward_opt), overrides=list(set_), processes=processes)
     checks_.render(checks)
     raise typer.Exit(checks_.exit_code(checks))
 

@@ -542,9 +542,10 @@ _MEMORY_FIX = {
 }
 
 
-def _check_memory(ctx: _Context, recipe) -> None:
-    """Each stage's estimated peak memory per process (`tpkit.memory`), against the smallest GPU seen.
-    Without a GPU the estimate is for one (bf16) when the model is not a built-in tiny one."""
+def _check_memory(ctx: _Context, recipe, processes: int = 1) -> None:
+    """Each stage's estimated peak memory per process (`tpkit.memory`; train's sharded over `processes`
+    with train.fsdp), against the smallest GPU seen. Without a GPU the estimate is for one (bf16) when
+    the model is not a built-in tiny one."""
     from tpkit import memory
 
     model = recipe.rollout.model
@@ -556,7 +557,7 @@ def _check_memory(ctx: _Context, recipe) -> None:
     cuda = ctx.cuda or model not in BUILTIN_MODELS
     gpu = min((ctx.torch.cuda.get_device_properties(i).total_memory for i in range(ctx.torch.cuda.device_count())),
               default=None) if ctx.cuda else None
-    for s in memory.estimate(recipe, arch, cuda=cuda):
+    for s in memory.estimate(recipe, arch, cuda=cuda, processes=processes):
         parts = " + ".join(f"{k} {layout.human_bytes(v)}" for k, v in s.parts.items())
         fits = gpu is None or s.total <= gpu
         where = f" of {layout.human_bytes(gpu)}" if gpu else (" (estimated for a GPU, bf16)" if not ctx.cuda and cuda else "")
@@ -802,11 +803,12 @@ def _check_homes(ctx: _Context, need_downloads: bool) -> None:
 
 
 def run(recipe: str | None = None, out: str | None = None, model: str | None = None, rewards: list[str] = (),
-        reward_opts: list[str] = ()) -> list[Check]:
+        reward_opts: list[str] = (), overrides: list[str] = (), processes: int = 1) -> list[Check]:
     """Check this environment for a run of `recipe` (or of --model/--reward) writing into `out`.
 
-    rewards: NAME[=WEIGHT] as for --reward; reward_opts: NAME.OPTION=VALUE as for --reward-opt.
-    Never raises for a problem it finds: every problem is a failed Check."""
+    rewards: NAME[=WEIGHT] as for --reward; reward_opts: NAME.OPTION=VALUE as for --reward-opt;
+    overrides: KEY=VALUE as `tpkit run --set`; processes: how many the run will start (memory per
+    process of a sharded train). Never raises for a problem it finds: every problem is a failed Check."""
     ctx = _Context()
     requirements = _requirements()
     mins = requirements.get("", {})
@@ -816,8 +818,8 @@ def run(recipe: str | None = None, out: str | None = None, model: str | None = N
     if recipe is not None:
         try:
             # --model replaces the recipe's model (as `--set rollout.model=...`: its default resolution follows)
-            overrides = [f"rollout.model={json.dumps(model)}"] if model else []
-            loaded = load_recipe(recipe, overrides=overrides, out=out)
+            replaced = [f"rollout.model={json.dumps(model)}"] if model else []
+            loaded = load_recipe(recipe, overrides=[*overrides, *replaced], out=out)
             recipe_check = Check("recipe", True, f"{recipe}: {loaded.name}, {loaded.method}, {loaded.rounds} round(s), "
                                  f"model {loaded.rollout.model}")
         except TpkitError as e:
@@ -845,7 +847,7 @@ def run(recipe: str | None = None, out: str | None = None, model: str | None = N
     where = "--model DIR, or rollout.model in the recipe" if recipe else "--model DIR"
     _guarded(ctx, "model", _check_model, the_model, where)
     if loaded is not None:
-        _guarded(ctx, "memory", _check_memory, loaded)
+        _guarded(ctx, "memory", _check_memory, loaded, processes)
 
     wanted: list[tuple[str, dict, str]] = []  # (reward, its options, where it comes from)
     if loaded is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,17 +178,25 @@ def flash_attention():
 
 
 def velocity_peak(model, arch: Architecture, batch: int, resolution: int, text_length: int, guidance: float,
-                  train: bool = False, autocast: torch.dtype | None = None) -> int:
-    """Peak bytes allocated by one `velocity` call (train: and its backward), beyond the weights."""
+                  train: bool = False, autocast: torch.dtype | None = None, keep_grads: bool = True) -> int:
+    """Peak bytes allocated by one `velocity` call (train: and its backward), beyond the weights.
+    keep_grads=False: each parameter's gradient is dropped as soon as it is complete, as sharded training
+    hands it on (reduce-scattered) block by block: the activations' peak alone."""
     x = torch.zeros(batch, *model.latent_shape(resolution))
     emb = embeddings(model, arch.transformer, batch, text_length, model.dtype)
     cast = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
     grad = contextlib.nullcontext() if train else torch.no_grad()
-    with grad, PeakMemory() as pm:
-        with cast:
-            v = model.velocity(x, torch.full((batch,), 0.5), emb, guidance)
-        if train:
-            v.square().mean().backward()
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+             for p in model.transformer.parameters() if p.requires_grad and not keep_grads]
+    try:
+        with grad, PeakMemory() as pm:
+            with cast:
+                v = model.velocity(x, torch.full((batch,), 0.5), emb, guidance)
+            if train:
+                v.square().mean().backward()
+    finally:
+        for h in hooks:
+            h.remove()
     return pm.peak
 
 
@@ -202,9 +211,10 @@ def _bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def estimate(recipe, arch: Architecture, cuda: bool = True) -> list[StageMemory]:
+def estimate(recipe, arch: Architecture, cuda: bool = True, processes: int = 1) -> list[StageMemory]:
     """Peak memory per process of rollout, score, train and eval (eval_every > 0) for a recipe, with the
-    recipe's dtypes as they resolve on a GPU (cuda=True) or on this CPU."""
+    recipe's dtypes as they resolve on a GPU (cuda=True) or on this CPU; train's sharded over `processes`
+    when the recipe says train.fsdp."""
     ro, sc, ev = recipe.rollout, recipe.score, recipe.eval
     device = torch.device("cuda" if cuda else "cpu")
     dtype = pick_dtype(ro.dtype, device)
@@ -231,14 +241,17 @@ def estimate(recipe, arch: Architecture, cuda: bool = True) -> list[StageMemory]
             evaluation = StageMemory("eval", {"transformer": P * b, "text encoders": arch.text_params * b, "VAE": V * b,
                                               "activations": max(act(eb), decode_peak(model, eb, res))})
         # 4. train: the trained weights (float32), their gradients and AdamW's moments, the reference, activations.
-        out.append(train_memory(model, arch, recipe, act, P, b))
+        out.append(train_memory(model, arch, recipe, act, P, b, processes))
     return out + ([evaluation] if recipe.eval_every else [])
 
 
-def train_memory(model, arch: Architecture, recipe, act, P: int, b: int) -> StageMemory:
+def train_memory(model, arch: Architecture, recipe, act, P: int, b: int, processes: int = 1) -> StageMemory:
     """Train's memory on `model` (made trainable here, as train.py does): P transformer parameters of b
-    bytes; act(batch, train=True, autocast=...) traces a micro-batch's forward and backward."""
+    bytes; act(batch, train=True, autocast=...) traces a micro-batch's forward and backward. With
+    train.fsdp over `processes` > 1: `sharded_train_memory`."""
     tr, ro = recipe.train, recipe.rollout
+    if tr.fsdp and processes > 1:
+        return sharded_train_memory(model, arch, recipe, act, P, b, processes)
     micro = tr.micro_batch_size or ro.batch_size
     moments = 2 if tr.optimizer == "adamw8bit" else 8  # two moments a parameter: float32, or 8-bit
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(tr.mixed_precision)
@@ -257,6 +270,44 @@ def train_memory(model, arch: Architecture, recipe, act, P: int, b: int) -> Stag
         parts = {"transformer": P * b, "LoRA (float32) and moments": lora * (4 + moments)}
     # gradients are allocated by the backward pass, so the traced peak holds them
     parts["activations and gradients"] = act(micro, train=True, autocast=autocast)
+    return StageMemory("train", parts)
+
+
+def sharded_train_memory(model, arch: Architecture, recipe, act, P: int, b: int, n: int) -> StageMemory:
+    """Train's memory per process sharded over n processes (`tpkit.sharding`): 1/n of the weights (trained
+    and frozen), their gradients and AdamW's moments, and of the reference; the units gathered whole at
+    once (the root, which stays gathered through a forward and its backward, the block computing and the
+    next one being gathered, and for full fine-tuning one block's whole gradient before it is
+    reduce-scattered); the activations, traced with each gradient handed on as soon as it is complete."""
+    tr, ro = recipe.train, recipe.rollout
+    micro = tr.micro_batch_size or ro.batch_size
+    moments = 2 if tr.optimizer == "adamw8bit" else 8
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(tr.mixed_precision)
+    t = model.transformer
+    if tr.gradient_checkpointing:
+        t.enable_gradient_checkpointing()
+    if tr.finetune == "full":
+        base.make_fully_trainable(t)
+        model.dtype = torch.float32
+        parts = {f"trained weights (float32), 1/{n}": P * 4 // n, f"their gradients, 1/{n}": P * 4 // n,
+                 f"optimizer moments, 1/{n}": P * moments // n}
+        if tr.beta > 0:
+            parts[f"KL reference (frozen copy), 1/{n}"] = P * b // n
+    else:
+        base.add_trainable_lora(t, tr.lora_rank, tr.lora_alpha, lora_targets(tr.lora_targets, arch.family))
+        lora = sum(p.numel() for p in t.parameters() if p.requires_grad)
+        parts = {f"transformer, 1/{n}": P * b // n,
+                 f"LoRA (float32), its gradients and moments, 1/{n}": lora * (8 + moments) // n}
+    names = set(getattr(t, "_no_split_modules", None) or ())
+    blocks = [m for m in t.modules() if type(m).__name__ in names]
+    in_blocks = {id(p) for m in blocks for p in m.parameters()}
+    nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
+    largest = max((nbytes(m.parameters()) for m in blocks), default=0)
+    root = nbytes(p for p in t.parameters() if id(p) not in in_blocks)
+    largest_grad = max((sum(p.numel() * 4 for p in m.parameters() if p.requires_grad) for m in blocks), default=0)
+    parts["gathered whole: the root and 2 blocks" + (", a block's gradient" if tr.finetune == "full" else "")] = (
+        root + 2 * largest + (largest_grad if tr.finetune == "full" else 0))
+    parts["activations"] = act(micro, train=True, autocast=autocast, keep_grads=False)
     return StageMemory("train", parts)
 
 
@@ -320,7 +371,9 @@ def suggest_batch(model, kind: str, value: int, resolution: int, text_length: in
                 act = lambda batch, **kw: velocity_peak(m, arch, batch, resolution, text_length, guidance, **kw)  # noqa: E731
                 recipe = SimpleNamespace(train=dataclasses.replace(train_cfg, micro_batch_size=b),
                                          rollout=SimpleNamespace(batch_size=b))
-                return train_memory(m, arch, recipe, act, P, _bytes(model.dtype)).total
+                # sharded (train.fsdp), over the processes the launcher started
+                return train_memory(m, arch, recipe, act, P, _bytes(model.dtype),
+                                    int(os.environ.get("WORLD_SIZE", "1"))).total
 
             return largest_fitting(limit, 0, peak, value)
         fixed = resident_bytes(model)
