@@ -247,11 +247,16 @@ def estimate(recipe, arch: Architecture, cuda: bool = True, processes: int = 1) 
 
 def train_memory(model, arch: Architecture, recipe, act, P: int, b: int, processes: int = 1) -> StageMemory:
     """Train's memory on `model` (made trainable here, as train.py does): P transformer parameters of b
-    bytes; act(batch, train=True, autocast=...) traces a micro-batch's forward and backward. With
-    train.fsdp over `processes` > 1: `sharded_train_memory`."""
+    bytes; act(batch, train=True, autocast=..., keep_grads=...) traces a micro-batch's forward and backward.
+
+    With train.fsdp over n = `processes` > 1 (`tpkit.sharding`): 1/n of the weights (trained and frozen),
+    of their gradients, AdamW's moments and the reference; the units gathered whole at once (the root,
+    which stays gathered through a forward and its backward, the block computing and the next one being
+    gathered, and for full fine-tuning one block's whole gradient before it is reduce-scattered); and
+    the activations, traced with each gradient handed on as soon as it is complete."""
     tr, ro = recipe.train, recipe.rollout
-    if tr.fsdp and processes > 1:
-        return sharded_train_memory(model, arch, recipe, act, P, b, processes)
+    n = processes if tr.fsdp else 1
+    share = f", 1/{n}" if n > 1 else ""
     micro = tr.micro_batch_size or ro.batch_size
     moments = 2 if tr.optimizer == "adamw8bit" else 8  # two moments a parameter: float32, or 8-bit
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(tr.mixed_precision)
@@ -261,52 +266,28 @@ def train_memory(model, arch: Architecture, recipe, act, P: int, b: int, process
     if tr.finetune == "full":
         base.make_fully_trainable(t)
         model.dtype = torch.float32  # the trained weights are float32 masters (train.py)
-        parts = {"trained weights (float32)": P * 4, "optimizer moments": P * moments}
+        parts = {f"trained weights (float32){share}": P * 4 // n}
+        if n > 1:  # unsharded, the traced backward holds them (below)
+            parts[f"their gradients{share}"] = P * 4 // n
+        parts[f"optimizer moments{share}"] = P * moments // n
         if tr.beta > 0:
-            parts["KL reference (frozen copy)"] = P * b
+            parts[f"KL reference (frozen copy){share}"] = P * b // n
     else:
         base.add_trainable_lora(t, tr.lora_rank, tr.lora_alpha, lora_targets(tr.lora_targets, arch.family))
         lora = sum(p.numel() for p in t.parameters() if p.requires_grad)
-        parts = {"transformer": P * b, "LoRA (float32) and moments": lora * (4 + moments)}
-    # gradients are allocated by the backward pass, so the traced peak holds them
-    parts["activations and gradients"] = act(micro, train=True, autocast=autocast)
-    return StageMemory("train", parts)
-
-
-def sharded_train_memory(model, arch: Architecture, recipe, act, P: int, b: int, n: int) -> StageMemory:
-    """Train's memory per process sharded over n processes (`tpkit.sharding`): 1/n of the weights (trained
-    and frozen), their gradients and AdamW's moments, and of the reference; the units gathered whole at
-    once (the root, which stays gathered through a forward and its backward, the block computing and the
-    next one being gathered, and for full fine-tuning one block's whole gradient before it is
-    reduce-scattered); the activations, traced with each gradient handed on as soon as it is complete."""
-    tr, ro = recipe.train, recipe.rollout
-    micro = tr.micro_batch_size or ro.batch_size
-    moments = 2 if tr.optimizer == "adamw8bit" else 8
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(tr.mixed_precision)
-    t = model.transformer
-    if tr.gradient_checkpointing:
-        t.enable_gradient_checkpointing()
-    if tr.finetune == "full":
-        base.make_fully_trainable(t)
-        model.dtype = torch.float32
-        parts = {f"trained weights (float32), 1/{n}": P * 4 // n, f"their gradients, 1/{n}": P * 4 // n,
-                 f"optimizer moments, 1/{n}": P * moments // n}
-        if tr.beta > 0:
-            parts[f"KL reference (frozen copy), 1/{n}"] = P * b // n
-    else:
-        base.add_trainable_lora(t, tr.lora_rank, tr.lora_alpha, lora_targets(tr.lora_targets, arch.family))
-        lora = sum(p.numel() for p in t.parameters() if p.requires_grad)
-        parts = {f"transformer, 1/{n}": P * b // n,
-                 f"LoRA (float32), its gradients and moments, 1/{n}": lora * (8 + moments) // n}
-    names = set(getattr(t, "_no_split_modules", None) or ())
-    blocks = [m for m in t.modules() if type(m).__name__ in names]
+        grads = 4 if n > 1 else 0
+        parts = {f"transformer{share}": P * b // n,
+                 f"LoRA (float32){', its gradients' if n > 1 else ''} and moments{share}": lora * (4 + grads + moments) // n}
+    if n == 1:  # gradients are allocated by the backward pass, so the traced peak holds them
+        parts["activations and gradients"] = act(micro, train=True, autocast=autocast)
+        return StageMemory("train", parts)
+    blocks = [m for m in t.modules() if type(m).__name__ in set(t._no_split_modules)]
     in_blocks = {id(p) for m in blocks for p in m.parameters()}
     nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
-    largest = max((nbytes(m.parameters()) for m in blocks), default=0)
-    root = nbytes(p for p in t.parameters() if id(p) not in in_blocks)
-    largest_grad = max((sum(p.numel() * 4 for p in m.parameters() if p.requires_grad) for m in blocks), default=0)
-    parts["gathered whole: the root and 2 blocks" + (", a block's gradient" if tr.finetune == "full" else "")] = (
-        root + 2 * largest + (largest_grad if tr.finetune == "full" else 0))
+    gathered = nbytes(p for p in t.parameters() if id(p) not in in_blocks) + 2 * max(nbytes(m.parameters()) for m in blocks)
+    if tr.finetune == "full":
+        gathered += max(nbytes(m.parameters()) for m in blocks)  # float32, as its weights
+    parts["gathered whole: the root and 2 blocks" + (", a block's gradient" if tr.finetune == "full" else "")] = gathered
     parts["activations"] = act(micro, train=True, autocast=autocast, keep_grads=False)
     return StageMemory("train", parts)
 
