@@ -3,7 +3,7 @@ train split, and the candidate settings run on it with several seeds.
 
     python bench/shapes/tune_shapes.py [--seeds 0 1] [--rounds 6] [--settings NAME ...] [--runs /tmp/tune/runs]
                                        [--out bench/shapes/tune] [--jobs 1] [--set KEY=VALUE ...] [--method flow-grpo|tp-grpo]
-                                       [--reward geneval|pickscore]
+                                       [--reward geneval|pickscore] [--report-only]
 
 1. Split. Per task, the train split's prompt groups (GenEval's order-free `prompt_key`, the same
    unit as the train/test rule in `tpkit.shapes.scenes`) are ordered by a salted SHA-256 of the key and the
@@ -180,6 +180,8 @@ def main() -> None:
                    help="which recipe pair: the dense GenEval score, or the learned reward (pickscore)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="an override for every run (repeatable), e.g. rollout.dtype=float32")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: report the runs that finished (a setting holds the seeds it finished)")
     args = p.parse_args()
     pick = args.reward != "geneval"
     args.runs = args.runs or cm.ROOT / "runs" / ("tune-" + args.reward if pick else "tune")
@@ -199,7 +201,10 @@ def main() -> None:
                    for s in args.seeds]
             for name, o in SETTINGS.items() if name in args.settings}
     by_seed = [js[i] for i in range(len(args.seeds)) for js in jobs.values()]
-    cm.run_jobs([j for j in by_seed if not cm.finished(j, args.rounds)], args.rounds, args.jobs)
+    if args.report_only:
+        jobs = {name: kept for name, js in jobs.items() if (kept := [j for j in js if cm.finished(j, args.rounds)])}
+    else:
+        cm.run_jobs([j for j in by_seed if not cm.finished(j, args.rounds)], args.rounds, args.jobs)
 
     # 3. Table.
     base = cm.base_eval([j for js in jobs.values() for j in js])
