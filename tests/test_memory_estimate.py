@@ -99,8 +99,7 @@ with torch.device("meta"), memory.flash_attention():
 torch.manual_seed(0)
 real = memory.build_model(arch, torch.float32, device="cpu")
 base.make_fully_trainable(real.transformer)
-blocks = [m for m in real.transformer.modules() if type(m).__name__ in real.transformer._no_split_modules]
-block = max(sum(p.numel() * 4 for p in m.parameters()) for m in blocks)  # before sharding renames their classes
+block = max(sum(p.numel() * 4 for p in m.parameters()) for m in sharding.blocks(real.transformer))
 sharding.shard(real.transformer, torch.device("cpu"), n)
 x, emb = torch.zeros(batch, *real.latent_shape(res)), memory.embeddings(real, arch.transformer, batch, text, torch.float32)
 with memory.flash_attention(), memory.PeakMemory() as pm:

@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tpkit import models
+from tpkit import models, sharding
 from tpkit.config import lora_targets
 from tpkit.models import base
 from tpkit.runtime import pick_dtype
@@ -281,7 +281,7 @@ def train_memory(model, arch: Architecture, recipe, act, P: int, b: int, process
     if n == 1:  # gradients are allocated by the backward pass, so the traced peak holds them
         parts["activations and gradients"] = act(micro, train=True, autocast=autocast)
         return StageMemory("train", parts)
-    blocks = [m for m in t.modules() if type(m).__name__ in set(t._no_split_modules)]
+    blocks = sharding.blocks(t)  # the units train shards by
     in_blocks = {id(p) for m in blocks for p in m.parameters()}
     nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
     gathered = nbytes(p for p in t.parameters() if id(p) not in in_blocks) + 2 * max(nbytes(m.parameters()) for m in blocks)

@@ -36,19 +36,24 @@ def requested_by_launcher() -> bool:
     return _launcher_asked
 
 
+def blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer's blocks, each a unit of its own (the rest is the root's): the modules of the classes
+    diffusers lists in `_no_split_modules`. Read before sharding, which renames the classes."""
+    names = set(getattr(transformer, "_no_split_modules", None) or ())
+    if not names:  # every diffusers transformer tpkit loads names them; a new family must too
+        raise ValueError(f"{type(transformer).__name__} names no blocks (_no_split_modules) to shard by")
+    return [m for m in transformer.modules() if type(m).__name__ in names]
+
+
 def shard(transformer: torch.nn.Module, device: torch.device, world: int) -> None:
     """Shard `transformer` in place over the `world` processes onto `device`: each block, then the root.
     Its parameters become DTensors (same names, global shapes); build the optimizer after this."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    blocks = set(getattr(transformer, "_no_split_modules", None) or ())
-    if not blocks:  # every diffusers transformer tpkit loads names them; a new family must too
-        raise ValueError(f"{type(transformer).__name__} names no blocks (_no_split_modules) to shard by")
     mesh = init_device_mesh(device.type, (world,))
-    for module in transformer.modules():
-        if type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh)
+    for module in blocks(transformer):
+        fully_shard(module, mesh=mesh)
     fully_shard(transformer, mesh=mesh)
 
 

@@ -468,11 +468,10 @@ def _load_optimizer(folder: Path, optimizer, kind: str, sharded_model, names: li
                          f"keep train.optimizer = {saved_kind} for this run, or start a new one (no --init-lora)")
     # sharded: memory-mapped, so that each process reads only the slices it keeps
     saved = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True, mmap=sharded_model is not None)
-    mismatch = (f"{len(names)} trained parameters, {sum(len(g['params']) for g in saved['param_groups'])} saved"
-                if sum(len(g["params"]) for g in saved["param_groups"]) != len(names) else None)
+    n_saved = sum(len(g["params"]) for g in saved["param_groups"])
     try:
-        if mismatch:
-            raise ValueError(mismatch)
+        if n_saved != len(names):
+            raise ValueError(f"{len(names)} trained parameters, {n_saved} saved")
         if sharded_model is None:
             optimizer.load_state_dict(saved)
         else:
