@@ -383,6 +383,16 @@ def test_loads_no_text_encoder_and_no_vae(tiny_run, tmp_path, monkeypatch):
     assert metrics(tmp_path / "train")[0]["ratio_mean"] == 1.0
 
 
+def test_moments_of_another_lora_rank_are_refused_before_training(trained, tiny_run, tmp_path):
+    """--init-state of a round with another LoRA rank holds as many moments as this round trains, so torch's
+    load_state_dict takes it (it checks counts only) and the first AdamW step would fail on shapes. Refused
+    up front, naming the tensor and both shapes, before anything is written."""
+    with pytest.raises(train.TrainError, match=r"optimizer moments of other parameters .* is \(.*8.*\), its saved exp_avg \(.*4.*\)"):
+        train.run(train_cfg(tiny_run, tmp_path / "rank8", lora_rank=8, lora_alpha=16,
+                            init_state=str(trained / train.STATE)))
+    assert not (tmp_path / "rank8" / layout.MANIFEST).exists()
+
+
 def test_killed_train_resumes_from_its_checkpoint_with_the_same_result(tiny_run, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 

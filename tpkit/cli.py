@@ -556,7 +556,10 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 def main(argv: list[str] | None = None) -> None:
     """The `tpkit` entry point: `app` with tpkit's errors, usage errors and crashes in one or two lines
     (`--debug` anywhere: the traceback instead) and `--threads N` taken first."""
-    cli_errors.run(app, sys.argv[1:] if argv is None else argv)
+    cli_errors.run(app, sys.argv[1:] if argv is None else argv)  # exits unless the command succeeded
+    from tpkit import runtime
+
+    runtime.close_distributed()
 
 
 if __name__ == "__main__":

@@ -118,6 +118,18 @@ def memory_options(stage: str, *options: tuple[str, int], also: str = "",
                           f"lower {tried}{also}; finished work is kept, rerun to continue") from None
 
 
+def close_distributed() -> None:
+    """Destroy the default process group, if this process joined one (train under `accelerate launch` or
+    `torchrun`). Called only after a command succeeded: destroying waits for every rank, and would hang
+    beside a rank that failed. Left to the interpreter's exit, gloo's worker threads can outlive it and
+    abort the process (SIGABRT, "terminate called without an active exception") after the work is done."""
+    import sys
+
+    dist = getattr(sys.modules.get("torch"), "distributed", None)  # never import torch just to ask
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def pick_device(device: str = "auto") -> torch.device:
     import torch
 

@@ -458,6 +458,9 @@ def _trainer_state(folder: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq", "state1", "state2")  # per-element moments: AdamW's, bitsandbytes' 8-bit
+
+
 def _load_optimizer(folder: Path, optimizer, kind: str, sharded_model, names: list[str]) -> None:
     """Load folder/optimizer.pt, saved by an optimizer of the same kind (trainer.json says which; states
     saved before it did are torch's AdamW) over the same parameters (`names`, in the optimizer's order).
@@ -472,6 +475,14 @@ def _load_optimizer(folder: Path, optimizer, kind: str, sharded_model, names: li
     try:
         if n_saved != len(names):
             raise ValueError(f"{len(names)} trained parameters, {n_saved} saved")
+        # torch checks only the counts: a state of another LoRA rank would load, then fail in the first step
+        params = [p for g in optimizer.param_groups for p in g["params"]]  # sharded: DTensors, global shapes
+        ids = [i for g in saved["param_groups"] for i in g["params"]]
+        for name, p, i in zip(names, params, ids):
+            for key in MOMENTS:
+                moment = saved["state"].get(i, {}).get(key)
+                if moment is not None and tuple(moment.shape) != tuple(p.shape):
+                    raise ValueError(f"{name} is {tuple(p.shape)}, its saved {key} {tuple(moment.shape)}")
         if sharded_model is None:
             optimizer.load_state_dict(saved)
         else:

@@ -21,10 +21,15 @@ out = Console() if sys.stdout.isatty() or os.environ.get("COLUMNS") else Console
 
 @contextlib.contextmanager
 def track(total: int, description: str) -> Iterator[Callable[[int], None]]:
-    """A progress bar; yields advance(n). Nothing is drawn for empty work."""
-    if total <= 0:
+    """A progress bar; yields advance(n). Nothing is drawn for empty work, nor by the other processes of a
+    distributed launch (`accelerate launch`, `torchrun`): their bars would interleave with the main one's,
+    which counts the main process's share."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if total <= 0 or rank != 0:
         yield lambda n=1: None
         return
+    if world > 1:
+        description += f" [dim](process 0's share, of {world})"
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:
