@@ -383,6 +383,18 @@ def test_loads_no_text_encoder_and_no_vae(tiny_run, tmp_path, monkeypatch):
     assert metrics(tmp_path / "train")[0]["ratio_mean"] == 1.0
 
 
+def test_the_adapter_file_lists_its_target_modules_in_a_fixed_order(trained):
+    """peft holds target_modules as a set (its order follows the process's string hashing); the saved
+    metadata lists them sorted, so two identical trainings write byte-identical adapters."""
+    from safetensors import safe_open
+
+    (path,) = (trained / train.ADAPTER).glob("*.safetensors")
+    with safe_open(path, "pt") as f:
+        metadata = json.loads(f.metadata()["lora_adapter_metadata"])
+    modules = metadata["transformer.target_modules"]
+    assert isinstance(modules, list) and len(modules) > 1 and modules == sorted(modules)
+
+
 def test_moments_of_another_lora_rank_are_refused_before_training(trained, tiny_run, tmp_path):
     """--init-state of a round with another LoRA rank holds as many moments as this round trains, so torch's
     load_state_dict takes it (it checks counts only) and the first AdamW step would fail on shapes. Refused

@@ -72,7 +72,7 @@ def main() -> None:
             rows.append(dict(model=name, path=path, guidance=g, seconds=round(time.monotonic() - t0, 1), **acc))
             print(f"{name} g={g}: overall {acc['overall']:.3f}, single_object {acc['single_object']:.3f} "
                   f"({rows[-1]['seconds']} s)", flush=True)
-    lines = [f"# tiny-shapes checkpoints on train prompts\n",
+    lines = ["# tiny-shapes checkpoints on train prompts\n",
              f"{a.n} train prompts a task x {a.images_per_prompt} images ({counts['single_object']} images a task), "
              f"40 ODE steps, seed {a.seed}. Regenerate: `python {' '.join(sys.argv)}`\n",
              "| model | guidance | overall | " + " | ".join(shapes.TAGS) + " | overall - first model |",

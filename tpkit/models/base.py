@@ -133,10 +133,13 @@ class Model:
         import diffusers
 
         state = transformer_or_state if isinstance(transformer_or_state, dict) else lora_state(transformer_or_state)
+        # peft keeps the module names as a set, whose order changes with each process's string hashing:
+        # sorted, two identical trainings write identical files
+        metadata = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in config.to_dict().items()}
         with _written_atomically(folder) as tmp:
             getattr(diffusers, self.PIPELINE).save_lora_weights(
                 tmp, transformer_lora_layers={k: v.detach().cpu() for k, v in state.items()},
-                transformer_lora_adapter_metadata=config.to_dict())
+                transformer_lora_adapter_metadata=metadata)
 
 
     def save_model(self, transformer, folder: Path) -> None:
