@@ -70,6 +70,25 @@ def test_the_same_step_gets_the_same_batch_wherever_it_is_made():
     assert preference.batch_for(r, 8).captions != a.captions or not bool((preference.batch_for(r, 8).pixels == a.pixels).all())
 
 
+def test_task_weights_set_the_mix_of_scene_pairs():
+    """--task-weight position=3 draws position pairs three times as often as each other task's; weight 0
+    drops a task; without weights a batch is drawn as the shipped model's were (tasks alike)."""
+    tag_of = {m["prompt"]: tag for tag in shapes.TAGS for m in shapes.split_prompts(tag)}
+    only = tuple(1.0 if t == "position" else 0.0 for t in shapes.TAGS)
+    batch = preference.batch_for(preference.Recipe(pairs=6, negatives=2, task_weights=only), 3)
+    assert {tag_of[c] for c in batch.captions} == {"position"}
+    weighted = preference.make_batch(np.random.default_rng(0), preference.Recipe(
+        pairs=300, negatives=1, blur=0.0, task_weights=tuple(3.0 if t == "position" else 1.0 for t in shapes.TAGS)))
+    share = np.mean([tag_of[c] == "position" for c in weighted.captions[::2]])
+    assert 0.28 < share < 0.47  # 3 / 8 = 0.375 expected
+    # drawn before task weights existed: the shipped model's recipe still gets these very batches
+    assert preference.batch_for(preference.Recipe(pairs=3, negatives=2), 5).captions == [
+        "a photo of a square above a triangle", "a photo of a square above a circle",
+        "a photo of a yellow triangle and a red diamond", "a photo of a yellow square and a red diamond",
+        "a photo of a circle", "a photo of a diamond"]
+    assert cli("pretrain-shapes-reward", "--out", "unused", "--task-weight", "position=-1") == 2
+
+
 def test_the_word_tokenizer_tells_relations_apart():
     _, processor = preference.build()
     tok = processor.tokenizer

@@ -494,16 +494,20 @@ def pretrain_shapes_reward(
     workers: int = typer.Option(1, help="Processes rendering the batches ahead (0: inline); the result does not depend on it."),
     sample_pairs: Optional[int] = typer.Option(None, help="Ranked pairs of tiny-shapes samples per batch (0: rendered scenes only)."),
     samples_per_prompt: Optional[int] = typer.Option(None, help="tiny-shapes samples drawn per train prompt for the ranking."),
+    task_weight: List[str] = typer.Option([], help="TAG=W: relative share of a GenEval task's scene pairs "
+                                          "(repeatable; unnamed tasks weigh 1; default: every task alike)."),
 ) -> None:
     """Pretrain `tiny-shapes-pickscore`, the testbed's CLIP preference model, on train-split prompts (fixed seed;
     resumable: rerun the same command)."""
-    from tpkit.shapes import preference
+    from tpkit.shapes import model, preference
 
     _positive_minutes(max_minutes)
     recipe = preference.Recipe()
     for name, value in (("steps", steps), ("sample_pairs", sample_pairs), ("samples_per_prompt", samples_per_prompt)):
         if value is not None:
             setattr(recipe, name, value)
+    if task_weight:
+        recipe.task_weights = model.task_weights(task_weight, recipe.task_weights)
     if workers < 0:
         raise InputError(f"--workers {workers} must be >= 0", "e.g. --workers 1 (one core renders, one trains)")
     preference.train(out, recipe, max_minutes=max_minutes, workers=workers)

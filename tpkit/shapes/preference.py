@@ -93,6 +93,9 @@ class Recipe:
     # (every caption embedded alike, the image's quality alone ranks a pair), which kept the captions at chance.
     rank_start: int = 800
     rank_weight: float = 0.5
+    # Relative share of each GenEval task's scene pairs, in `shapes.TAGS` order (None: alike, the shipped
+    # model's draw): `--task-weight position=3` for more of the relation scenes the model finds hardest.
+    task_weights: tuple[float, ...] | None = None
     arch: Arch = field(default_factory=Arch)
 
     def validate(self) -> "Recipe":
@@ -110,6 +113,10 @@ class Recipe:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise InputError(f"{name} = {value!r} must be a finite number >= 0", f"e.g. {getattr(Recipe, name)}")
+        w = self.task_weights
+        if w is not None and not (len(w) == len(shapes.TAGS) and all(math.isfinite(x) and x >= 0 for x in w) and sum(w) > 0):
+            raise InputError(f"task_weights = {w!r}: one finite weight >= 0 per task ({', '.join(shapes.TAGS)}), not all 0",
+                             "e.g. --task-weight position=3")
         return self
 
 
@@ -325,11 +332,14 @@ def _ranked_pairs(rng: np.random.Generator, bank: dict, n: int) -> tuple[np.ndar
     return np.asarray(order), captions
 
 
-def _pair(rng: np.random.Generator, split: str, n_neg: int) -> tuple[list, list[str], list[list[str]]]:
+def _pair(rng: np.random.Generator, split: str, n_neg: int,
+          task_weights: tuple[float, ...] | None = None) -> tuple[list, list[str], list[list[str]]]:
     """A train prompt P and a one-detail-wrong prompt N of the split, a scene for each that satisfies its
-    own prompt and not the other's."""
+    own prompt and not the other's; P's task drawn with the relative `task_weights` (None: alike)."""
+    p_task = None if task_weights is None else np.asarray(task_weights, dtype=float) / sum(task_weights)
     while True:
-        tag = shapes.TAGS[int(rng.integers(len(shapes.TAGS)))]
+        # None keeps its own draw, so that the shipped recipe's batches stay what they were
+        tag = shapes.TAGS[int(rng.integers(len(shapes.TAGS)) if p_task is None else rng.choice(len(p_task), p=p_task))]
         cands = _prompts(tag, split)
         p = cands[int(rng.integers(len(cands)))]
         wrong = [m for m in one_detail_wrong(p) if _in_split(m, split)]
@@ -399,7 +409,7 @@ def _to_model(pixels: np.ndarray) -> torch.Tensor:
 def make_batch(rng: np.random.Generator, r: Recipe, split: str = "train", bank: str | None = None, step: int = 0) -> Batch:
     scenes_, captions, candidates = [], [], []
     for _ in range(r.pairs):
-        s, c, k = _pair(rng, split, r.negatives)
+        s, c, k = _pair(rng, split, r.negatives, r.task_weights)
         scenes_ += s
         captions += c
         candidates += k
