@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,14 @@ def split(n_fit: int = 80, n_val: int = 16, seed: int = 0) -> tuple[list[dict], 
     return fit, val
 
 
+def evaluation(jobs: dict[str, list[cm.Job]]) -> str:
+    """How the runs evaluate, as their recipe says (run.toml of the first run): "96 prompts x 8 images, 10 ODE steps"."""
+    first = next(j for js in jobs.values() for j in js)
+    ev = tomllib.loads((first.out / "run.toml").read_text())["eval"]
+    prompts = sum(1 for line in Path(ev["prompts"]).read_text().splitlines() if line.strip())
+    return f"{prompts} prompts x {ev['images_per_prompt']} images, {ev['steps']} ODE steps"
+
+
 def report(jobs: dict[str, list[cm.Job]], base: dict, rounds: int, method: str = "flow-grpo", reward: str = "geneval") -> str:
     """Columns are the k-th evaluation of each run, "after N rounds" of --rounds: a setting with
     ROUNDS_FACTOR evaluates less often, so its k-th evaluation comes after as many samples."""
@@ -141,7 +150,7 @@ def report(jobs: dict[str, list[cm.Job]], base: dict, rounds: int, method: str =
              f"Regenerate: `python {' '.join(sys.argv)}`. {METHODS[method]} recipe "
              f"(`{cm.RECIPE_PAIRS[reward][method].relative_to(cm.ROOT).as_posix()}`), rollout prompts = the fit part of the train "
              "split, evaluation = its validation part (a third of the train split's prompt groups, never trained on; "
-             "no test prompt is read). 96 prompts x 2 images, 40 ODE steps; 95 % t-intervals over seeds.", "",
+             f"no test prompt is read). {evaluation(jobs)}; 95 % t-intervals over seeds.", "",
              f"Base model on validation: **{base[key]:.3f}** ({title.replace('held-out ', '')})"
              + "".join(f", GenEval accuracy {base[k]:.3f}" for k in beside) + "."
              + (" A setting run for Nx the rounds is shown at its k-th evaluation, after as many trajectories as the"
