@@ -284,9 +284,10 @@ def train_memory(model, arch: Architecture, recipe, act, P: int, b: int, process
     blocks = sharding.blocks(t)  # the units train shards by
     in_blocks = {id(p) for m in blocks for p in m.parameters()}
     nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
-    gathered = nbytes(p for p in t.parameters() if id(p) not in in_blocks) + 2 * max(nbytes(m.parameters()) for m in blocks)
+    block = max(nbytes(m.parameters()) for m in blocks)
+    gathered = nbytes(p for p in t.parameters() if id(p) not in in_blocks) + 2 * block
     if tr.finetune == "full":
-        gathered += max(nbytes(m.parameters()) for m in blocks)  # float32, as its weights
+        gathered += block  # a block's gradient, float32 as its weights
     parts["gathered whole: the root and 2 blocks" + (", a block's gradient" if tr.finetune == "full" else "")] = gathered
     parts["activations"] = act(micro, train=True, autocast=autocast, keep_grads=False)
     return StageMemory("train", parts)
