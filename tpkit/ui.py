@@ -21,15 +21,15 @@ out = Console() if sys.stdout.isatty() or os.environ.get("COLUMNS") else Console
 
 @contextlib.contextmanager
 def track(total: int, description: str) -> Iterator[Callable[[int], None]]:
-    """A progress bar; yields advance(n). Nothing is drawn for empty work, nor by the other processes of a
-    distributed launch (`accelerate launch`, `torchrun`): their bars would interleave with the main one's,
-    which counts the main process's share."""
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if total <= 0 or rank != 0:
+    """A progress bar; yields advance(n). Nothing is drawn for empty work, nor by a distributed launch's
+    (`accelerate launch`, `torchrun`) processes other than each machine's first: their bars would
+    interleave with its bar in the machine's log. That bar counts its own process's share."""
+    env = os.environ.get
+    if total <= 0 or int(env("LOCAL_RANK", "0")) != 0:
         yield lambda n=1: None
         return
-    if world > 1:
-        description += f" [dim](process 0's share, of {world})"
+    if int(env("WORLD_SIZE", "1")) > 1:
+        description += f" [dim](process {env('RANK', '0')}'s share, of {env('WORLD_SIZE')})"
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:
