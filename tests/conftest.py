@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,3 +117,22 @@ def branch_0_by_hand(run: Path, model, resolution: int = 64) -> tuple[float, flo
     row = next(r for r in layout.read_parquet_tables(run / "score", "score").to_pylist()
                if r["trajectory_id"] == t.trajectory_id and r["branch"] == 0)
     return row["reward"], ours
+
+
+def launch_env() -> dict:
+    """This environment ($TPKIT_HOME included) for a launcher's subprocesses, without any launcher's rank
+    variables, one thread per process (2 cores, up to 3 processes), and no GPU: the CPU/gloo tests."""
+    env = dict(os.environ)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+              "ACCELERATE_USE_CPU", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    return env
+
+
+def torchrun(*args, script: Path | None = None) -> list[str]:
+    """2 local processes of tpkit (or of `script`); --standalone picks a free rendezvous port (other runs
+    may be going on)."""
+    launcher = [shutil.which("torchrun")] if shutil.which("torchrun") else [sys.executable, "-m", "torch.distributed.run"]
+    return [*launcher, "--standalone", "--nproc_per_node", "2", *([str(script)] if script else ["-m", "tpkit"]),
+            *map(str, args)]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import launch_env, torchrun
 
 from tpkit import layout
 
@@ -53,27 +54,8 @@ RANK_KEYS = ("out", "rank", "world_size")
 # --------------------------------------------------------------------------------------------
 
 
-def _env() -> dict:
-    """The test's environment ($TPKIT_HOME included) without any launcher's rank variables, one
-    thread per process (2 cores, up to 3 processes), and no GPU: these are the CPU/gloo tests."""
-    env = dict(os.environ)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-              "ACCELERATE_USE_CPU", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    return env
-
-
 def tpkit(*args) -> list[str]:
     return [sys.executable, "-m", "tpkit", *map(str, args)]
-
-
-def torchrun(*args, script: Path | None = None) -> list[str]:
-    """2 local processes of tpkit (or of `script`); --standalone picks a free rendezvous port (other runs
-    may be going on)."""
-    launcher = [shutil.which("torchrun")] if shutil.which("torchrun") else [sys.executable, "-m", "torch.distributed.run"]
-    return [*launcher, "--standalone", "--nproc_per_node", "2", *([str(script)] if script else ["-m", "tpkit"]),
-            *map(str, args)]
 
 
 def accelerate_launch(*args, config: Path | None = None) -> list[str]:
@@ -88,7 +70,7 @@ def accelerate_launch(*args, config: Path | None = None) -> list[str]:
 
 def run_all(*cmds: list[str], cwd: Path | None = None, timeout: float = TIMEOUT) -> None:
     """Run the commands side by side; every one must exit 0 (its output is shown otherwise)."""
-    procs = [subprocess.Popen(c, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    procs = [subprocess.Popen(c, cwd=cwd, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for c in cmds]
     outputs = []
     try:
@@ -403,7 +385,7 @@ def test_fsdp_resumes_after_a_crash_and_its_state_continues_either_way(chain, ro
     clean, crashed = work / "fsdp-clean", work / "fsdp-crashed"
     script = work / "crash_after_checkpoint.py"
     script.write_text(CRASH_AFTER_CHECKPOINT)
-    dying = subprocess.Popen(torchrun(*common, "--out", crashed, script=script), env=_env(), stdout=subprocess.PIPE,
+    dying = subprocess.Popen(torchrun(*common, "--out", crashed, script=script), env=launch_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     run_all(torchrun(*common, "--out", clean))
     out = dying.communicate(timeout=TIMEOUT)[0]

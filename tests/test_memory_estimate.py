@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import launch_env, torchrun
 
 from tpkit import doctor, memory, models
 from tpkit.config import load_recipe
@@ -120,19 +121,12 @@ def test_the_sharded_train_estimate_is_what_two_sharded_processes_allocate(name,
     gradient at the peak, which GPUs overlap with the computing block and gloo's blocking collectives
     on a CPU do not."""
     import json
-    import os
-    import shutil
     import subprocess
-    import sys
 
     models.family(models.family_of(name)).resolve(name)
     script = tmp_path / "sharded.py"
     script.write_text(SHARDED)
-    launcher = [shutil.which("torchrun")] if shutil.which("torchrun") else [sys.executable, "-m", "torch.distributed.run"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([*launcher, "--standalone", "--nproc_per_node", "2", str(script), name], env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(torchrun(name, script=script), env=launch_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-1000:] + out.stderr[-3000:]
     result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))[len("RESULT "):])
     parts = result["parts"]
