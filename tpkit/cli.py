@@ -494,6 +494,8 @@ def pretrain_shapes_reward(
     workers: int = typer.Option(1, help="Processes rendering the batches ahead (0: inline); the result does not depend on it."),
     sample_pairs: Optional[int] = typer.Option(None, help="Ranked pairs of tiny-shapes samples per batch (0: rendered scenes only)."),
     samples_per_prompt: Optional[int] = typer.Option(None, help="tiny-shapes samples drawn per train prompt for the ranking."),
+    graded_pairs: Optional[int] = typer.Option(None, help="Ranked pairs of rendered near misses per batch, ordered by "
+                                               "their dense score (0: none)."),
     task_weight: List[str] = typer.Option([], help="TAG=W: relative share of a GenEval task's scene pairs "
                                           "(repeatable; unnamed tasks weigh 1; default: every task alike)."),
 ) -> None:
@@ -503,7 +505,8 @@ def pretrain_shapes_reward(
 
     _positive_minutes(max_minutes)
     recipe = preference.Recipe()
-    for name, value in (("steps", steps), ("sample_pairs", sample_pairs), ("samples_per_prompt", samples_per_prompt)):
+    for name, value in (("steps", steps), ("sample_pairs", sample_pairs), ("samples_per_prompt", samples_per_prompt),
+                        ("graded_pairs", graded_pairs)):
         if value is not None:
             setattr(recipe, name, value)
     if task_weight:

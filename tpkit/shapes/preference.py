@@ -93,6 +93,11 @@ class Recipe:
     # (every caption embedded alike, the image's quality alone ranks a pair), which kept the captions at chance.
     rank_start: int = 800
     rank_weight: float = 0.5
+    # Ranked pairs of rendered near misses per batch (`scenes.edited_scene`: 0-2 objects dropped, added,
+    # recoloured or reshaped), ordered by their dense score for the prompt, in the same ranking term from
+    # rank_start: the grades of the generator's samples (a missing object, an extra one, one colour wrong)
+    # on unlimited scenes, where the sample bank's few are memorised. 0: none (the shipped model).
+    graded_pairs: int = 0
     # Relative share of each GenEval task's scene pairs, in `shapes.TAGS` order (None: alike, the shipped
     # model's draw): `--task-weight position=3` for more of the relation scenes the model finds hardest.
     task_weights: tuple[float, ...] | None = None
@@ -100,9 +105,10 @@ class Recipe:
 
     def validate(self) -> "Recipe":
         """Every count and rate in range before any work; an InputError naming the option otherwise."""
-        for name in ("steps", "pairs", "negatives", "warmup", "sample_pairs", "samples_per_prompt", "sample_steps", "rank_start"):
+        for name in ("steps", "pairs", "negatives", "warmup", "sample_pairs", "samples_per_prompt", "sample_steps", "rank_start",
+                     "graded_pairs"):
             value = getattr(self, name)
-            low = 0 if name in ("warmup", "sample_pairs", "rank_start") else 1
+            low = 0 if name in ("warmup", "sample_pairs", "rank_start", "graded_pairs") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 flag = "--" + name.replace("_", "-")
                 raise InputError(f"{flag} {value!r} must be a whole number >= {low}", f"e.g. {flag} {getattr(Recipe, name)}")
@@ -332,16 +338,40 @@ def _ranked_pairs(rng: np.random.Generator, bank: dict, n: int) -> tuple[np.ndar
     return np.asarray(order), captions
 
 
+def _draw_prompt(rng: np.random.Generator, split: str, task_weights: tuple[float, ...] | None) -> dict:
+    """A prompt of the split: its task with the relative `task_weights` (None: alike), then uniformly."""
+    if task_weights is None:  # its own draw, so that the shipped recipe's batches stay what they were
+        tag = shapes.TAGS[int(rng.integers(len(shapes.TAGS)))]
+    else:
+        p_task = np.asarray(task_weights, dtype=float) / sum(task_weights)
+        tag = shapes.TAGS[int(rng.choice(len(p_task), p=p_task))]
+    cands = _prompts(tag, split)
+    return cands[int(rng.integers(len(cands)))]
+
+
+def _graded_pairs(rng: np.random.Generator, n: int, split: str,
+                  task_weights: tuple[float, ...] | None) -> tuple[np.ndarray, list[str]]:
+    """n pairs of rendered near misses of one prompt each (0-2 edits), the one with the higher dense score
+    for that prompt first: uint8 [2n, SIZE, SIZE, 3] and the n prompts."""
+    images, captions = [], []
+    for _ in range(n):
+        p = _draw_prompt(rng, split, task_weights)
+        while True:
+            a, b = (shapes.edited_scene(p, rng, int(rng.integers(3))) for _ in range(2))
+            sa, sb = (shapes.truth_score(p, s.objects) for s in (a, b))
+            if sa != sb:
+                break
+        images += [shapes.render(s, SIZE) for s in ((a, b) if sa > sb else (b, a))]
+        captions.append(p["prompt"])
+    return np.stack(images), captions
+
+
 def _pair(rng: np.random.Generator, split: str, n_neg: int,
           task_weights: tuple[float, ...] | None = None) -> tuple[list, list[str], list[list[str]]]:
     """A train prompt P and a one-detail-wrong prompt N of the split, a scene for each that satisfies its
     own prompt and not the other's; P's task drawn with the relative `task_weights` (None: alike)."""
-    p_task = None if task_weights is None else np.asarray(task_weights, dtype=float) / sum(task_weights)
     while True:
-        # None keeps its own draw, so that the shipped recipe's batches stay what they were
-        tag = shapes.TAGS[int(rng.integers(len(shapes.TAGS)) if p_task is None else rng.choice(len(p_task), p=p_task))]
-        cands = _prompts(tag, split)
-        p = cands[int(rng.integers(len(cands)))]
+        p = _draw_prompt(rng, split, task_weights)
         wrong = [m for m in one_detail_wrong(p) if _in_split(m, split)]
         if not wrong:
             continue
@@ -414,10 +444,20 @@ def make_batch(rng: np.random.Generator, r: Recipe, split: str = "train", bank: 
         captions += c
         candidates += k
     batch = Batch(_to_model(augment(np.stack([shapes.render(s, SIZE) for s in scenes_]), rng, r)), captions, candidates)
-    b = _bank(bank) if r.sample_pairs and bank is not None and step >= r.rank_start else None
+    if step < r.rank_start:
+        return batch
+    ranked = []
+    b = _bank(bank) if r.sample_pairs and bank is not None else None
     if b is not None and b["groups"]:  # the generator's samples as they are: what the reward judges in RL
-        order, batch.ranked_captions = _ranked_pairs(rng, b, r.sample_pairs)
-        batch.ranked = _to_model(b["images"][order] / 255.0)
+        order, caps = _ranked_pairs(rng, b, r.sample_pairs)
+        ranked.append(b["images"][order] / 255.0)
+        batch.ranked_captions += caps
+    if r.graded_pairs:
+        images, caps = _graded_pairs(rng, r.graded_pairs, split, r.task_weights)
+        ranked.append(augment(images, rng, r))
+        batch.ranked_captions += caps
+    if ranked:
+        batch.ranked = _to_model(np.concatenate(ranked))
     return batch
 
 
@@ -523,7 +563,7 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
     step, history = 0, []
     if state_path.is_file():
         st = torch.load(state_path, weights_only=False)
-        if st["recipe"] != asdict(r):
+        if {**asdict(Recipe()), **st["recipe"]} != asdict(r):  # options added since take their defaults
             raise InputError(f"{out} holds a run of another recipe", "pass the same options, or a new --out")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])

@@ -244,6 +244,53 @@ def scene_for(meta: dict, rng: np.random.Generator, size: int = CANVAS) -> Scene
     raise ValueError(f"could not place a scene for {meta.get('prompt')!r}")
 
 
+MAX_OBJECTS = MAX_COUNT + 1  # an edited scene holds at most this many (a counting prompt's 4 plus one extra)
+EDITS = ("drop", "add", "recolour", "reshape")
+
+
+def edited_scene(meta: dict, rng: np.random.Generator, edits: int, size: int = CANVAS) -> Scene:
+    """A near miss of `meta`: its objects after `edits` random edits (drop one, add one of a class of the
+    prompt or another, recolour one, reshape one), placed at random under the layout rules and not checked
+    against the prompt (a relation holds or not by chance). `truth_score` says how near: graded scenes of
+    one prompt, the way the generator's samples are graded, from empty canvas to the prompt itself."""
+    specs = _object_specs(meta, rng)
+    for _ in range(edits):
+        kind = EDITS[int(rng.integers(len(EDITS)))]
+        if kind == "add" and len(specs) < MAX_OBJECTS:
+            shape = specs[int(rng.integers(len(specs)))][0] if specs and rng.random() < 0.5 else _pick(rng, SHAPES)
+            specs.append((shape, _pick(rng, COLOURS)))
+        elif specs and kind != "add":
+            i = int(rng.integers(len(specs)))
+            shape, colour = specs[i]
+            if kind == "drop":
+                specs.pop(i)
+            elif kind == "recolour":
+                specs[i] = (shape, _pick(rng, [c for c in COLOURS if c != colour]))
+            else:
+                specs[i] = (_pick(rng, [s for s in SHAPES if s != shape]), colour)
+    for _ in range(_MAX_TRIES):
+        objects = _place(specs, rng)
+        if objects is not None:
+            return Scene(objects=objects, prompt=meta["prompt"], metadata=_copy(meta), size=size)
+    raise ValueError(f"could not place an edited scene for {meta.get('prompt')!r}")
+
+
+def _pick(rng: np.random.Generator, options: Sequence[str]) -> str:
+    return options[int(rng.integers(len(options)))]
+
+
+def truth_score(meta: dict, objects: Sequence[Obj]) -> float:
+    """Flow-GRPO's dense score of `meta` with the true visible boxes as perfect detections: what the
+    generator's samples are graded by, on a scene whose content is known."""
+    return judge(meta, _perfect_detections(objects, visible_boxes(objects), [0] * len(objects))).score
+
+
+def _perfect_detections(objects: Sequence[Obj], boxes: list[list[float]], grow: Sequence[float]) -> list[dict]:
+    """Detections at confidence 1 with each box's edges moved out by `grow` px."""
+    return [{"class": o.shape, "score": 1.0, "color": o.colour, "box": [b[0] - d, b[1] - d, b[2] + d, b[3] + d]}
+            for o, b, d in zip(objects, boxes, grow)]
+
+
 def _object_specs(meta: dict, rng: np.random.Generator) -> list[tuple[str, str]]:
     specs = []
     for clause in meta["include"]:
@@ -295,10 +342,7 @@ def satisfied(meta: dict, objects: list[Obj], boxes: list[list[float]] | None = 
     deltas = [0, -1, 1] if any("position" in c for c in meta["include"]) else [0]
     for da in deltas:
         for db in deltas:
-            dets = [{"class": o.shape, "score": 1.0, "color": o.colour,
-                     "box": [b[0] - d, b[1] - d, b[2] + d, b[3] + d]}
-                    for o, b, d in zip(objects, boxes, [da] + [db] * (len(objects) - 1))]
-            j = judge(meta, dets)
+            j = judge(meta, _perfect_detections(objects, boxes, [da] + [db] * (len(objects) - 1)))
             if not j.correct or j.score < 1.0:
                 return False
     return True
