@@ -170,6 +170,59 @@ def test_the_sample_bank_ranks_the_generators_own_samples_of_train_prompts(tmp_p
     assert (tmp_path / "run" / preference.BANK).stat().st_mtime_ns == drawn
 
 
+@pytest.mark.parametrize("tag", shapes.TAGS)
+def test_graded_pairs_are_near_misses_of_their_prompt_the_better_first(tag):
+    """Each pair's scenes keep the layout rules, at most MAX_OBJECTS objects, and their dense scores for the
+    prompt (perfect detections) differ, the higher first; over a few pairs the grades take several values."""
+    rng = np.random.default_rng(0)
+    grades = set()
+    for meta in shapes.split_prompts(tag, "train")[:8]:
+        for _ in range(4):
+            better, worse = preference._graded_pair(rng, meta)
+            high, low = (shapes.truth_score(meta, s.objects) for s in (better, worse))
+            assert high > low, meta["prompt"]
+            assert all(len(s.objects) <= shapes.MAX_OBJECTS and shapes.valid_layout(s.objects) for s in (better, worse))
+            grades |= {high, low}
+    assert len(grades) >= 3, grades
+
+
+def test_truth_score_is_the_dense_score_of_what_a_scene_holds():
+    rng = np.random.default_rng(1)
+    meta = shapes.metadata("color_attr", "circle", "square", colour="red", colour_b="blue")
+    scene = shapes.scene_for(meta, rng)
+    assert shapes.truth_score(meta, scene.objects) == 1.0
+    assert shapes.truth_score(meta, scene.objects[:1]) == 0.5  # one object missing: (1 + 1 + 0 + 0) / 4
+    recoloured = [dataclasses.replace(o, colour="green" if o.colour == "blue" else o.colour) for o in scene.objects]
+    assert shapes.truth_score(meta, recoloured) == 0.75  # the square's colour wrong
+    assert shapes.truth_score(meta, []) == 0.0  # the empty canvas
+    assert [o.shape for o in shapes.edited_scene(meta, rng, 0).objects] == [o.shape for o in scene.objects]
+
+
+def test_graded_pairs_join_the_ranking_term_and_old_runs_still_resume(tmp_path):
+    """With graded_pairs (no sample bank) each batch from rank_start holds them as ranked pairs of train
+    prompts; a run saved before the option existed resumes (the option takes its default), another value
+    of it is another recipe."""
+    from tpkit.errors import InputError
+
+    r = preference.Recipe(steps=1, pairs=2, negatives=2, warmup=1, sample_pairs=0, graded_pairs=3, rank_start=0)
+    batch = preference.batch_for(r, 0)
+    assert batch.ranked.shape == (6, 3, preference.SIZE, preference.SIZE) and len(batch.ranked_captions) == 3
+    train = {m["prompt"] for m in preference.train_prompts()}
+    assert set(batch.ranked_captions) <= train
+    assert preference.batch_for(dataclasses.replace(r, rank_start=1), 0).ranked is None
+    value, info = preference.loss(*(lambda m, p: (m, p.tokenizer))(*preference.build()), batch)
+    assert torch.isfinite(value) and "rank_acc" in info
+
+    plain = dataclasses.replace(r, graded_pairs=0)
+    preference.train(tmp_path, plain, progress=False, workers=0)
+    state = torch.load(tmp_path / "state.pt", weights_only=False)
+    del state["recipe"]["graded_pairs"]  # as saved before the option existed
+    torch.save(state, tmp_path / "state.pt")
+    assert preference.train(tmp_path, plain, progress=False, workers=0) == tmp_path / "model"  # already trained
+    with pytest.raises(InputError, match="another recipe"):
+        preference.train(tmp_path, r, progress=False, workers=0)
+
+
 shipped = pytest.mark.skipif(not (preference.weights_dir() / "model.safetensors").is_file(),
                              reason="tiny-shapes-pickscore is not in this checkout")
 

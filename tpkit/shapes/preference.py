@@ -351,19 +351,22 @@ def _draw_prompt(rng: np.random.Generator, split: str, task_weights: tuple[float
 
 def _graded_pairs(rng: np.random.Generator, n: int, split: str,
                   task_weights: tuple[float, ...] | None) -> tuple[np.ndarray, list[str]]:
-    """n pairs of rendered near misses of one prompt each (0-2 edits), the one with the higher dense score
-    for that prompt first: uint8 [2n, SIZE, SIZE, 3] and the n prompts."""
+    """n pairs of rendered near misses of a prompt each, the better first: uint8 [2n, SIZE, SIZE, 3], n prompts."""
     images, captions = [], []
     for _ in range(n):
         p = _draw_prompt(rng, split, task_weights)
-        while True:
-            a, b = (shapes.edited_scene(p, rng, int(rng.integers(3))) for _ in range(2))
-            sa, sb = (shapes.truth_score(p, s.objects) for s in (a, b))
-            if sa != sb:
-                break
-        images += [shapes.render(s, SIZE) for s in ((a, b) if sa > sb else (b, a))]
+        images += [shapes.render(s, SIZE) for s in _graded_pair(rng, p)]
         captions.append(p["prompt"])
     return np.stack(images), captions
+
+
+def _graded_pair(rng: np.random.Generator, meta: dict) -> tuple[shapes.Scene, shapes.Scene]:
+    """Two near misses of `meta` (0-2 edits each) whose dense scores for it differ, the higher first."""
+    while True:
+        a, b = (shapes.edited_scene(meta, rng, int(rng.integers(3))) for _ in range(2))
+        sa, sb = (shapes.truth_score(meta, s.objects) for s in (a, b))
+        if sa != sb:
+            return (a, b) if sa > sb else (b, a)
 
 
 def _pair(rng: np.random.Generator, split: str, n_neg: int,
