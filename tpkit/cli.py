@@ -496,6 +496,8 @@ def pretrain_shapes_reward(
     samples_per_prompt: Optional[int] = typer.Option(None, help="tiny-shapes samples drawn per train prompt for the ranking."),
     graded_pairs: Optional[int] = typer.Option(None, help="Ranked pairs of rendered near misses per batch, ordered by "
                                                "their dense score (0: none)."),
+    graded_by: Optional[str] = typer.Option(None, help="How graded pairs are graded: truth (crisp renders, true boxes) "
+                                            "or detector (blurred, saturated renders through the shapes detector)."),
     task_weight: List[str] = typer.Option([], help="TAG=W: relative share of a GenEval task's scene pairs "
                                           "(repeatable; unnamed tasks weigh 1; default: every task alike)."),
 ) -> None:
@@ -506,7 +508,7 @@ def pretrain_shapes_reward(
     _positive_minutes(max_minutes)
     recipe = preference.Recipe()
     for name, value in (("steps", steps), ("sample_pairs", sample_pairs), ("samples_per_prompt", samples_per_prompt),
-                        ("graded_pairs", graded_pairs)):
+                        ("graded_pairs", graded_pairs), ("graded_by", graded_by)):
         if value is not None:
             setattr(recipe, name, value)
     if task_weight:

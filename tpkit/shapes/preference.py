@@ -56,6 +56,8 @@ SIZE = shapes.CANVAS  # 64 px: the tiny-shapes resolution
 TEXT_POSITIONS = 77  # CLIP's context length: the reward truncates to it, so any prompt fits
 OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
 MEAN, STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)  # pixels to [-1, 1]
+GRADED_BY = ("truth", "detector")
+BLOB_BLUR, BLOB_GAIN = 3.0, 4.0  # "detector" grading: Gaussian blur sigma up to this, then contrast gain up to this
 
 
 def weights_dir() -> Path:
@@ -98,6 +100,10 @@ class Recipe:
     # rank_start: the grades of the generator's samples (a missing object, an extra one, one colour wrong)
     # on unlimited scenes, where the sample bank's few are memorised. 0: none (the shipped model).
     graded_pairs: int = 0
+    # How a graded pair is graded: "truth" (crisp renders, the scene's true boxes as perfect detections) or
+    # "detector" (renders blurred and saturated into the generator's blobs, where a rounded square may pass
+    # for a circle, then judged as the samples are: the shapes detector, then GenEval's judge).
+    graded_by: str = "truth"
     # Relative share of each GenEval task's scene pairs, in `shapes.TAGS` order (None: alike, the shipped
     # model's draw): `--task-weight position=3` for more of the relation scenes the model finds hardest.
     task_weights: tuple[float, ...] | None = None
@@ -119,6 +125,8 @@ class Recipe:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise InputError(f"{name} = {value!r} must be a finite number >= 0", f"e.g. {getattr(Recipe, name)}")
+        if self.graded_by not in GRADED_BY:
+            raise InputError(f"--graded-by {self.graded_by!r} is not one of {', '.join(GRADED_BY)}", "e.g. --graded-by detector")
         w = self.task_weights
         if w is not None and not (len(w) == len(shapes.TAGS) and all(math.isfinite(x) and x >= 0 for x in w) and sum(w) > 0):
             raise InputError(f"task_weights = {w!r}: one finite weight >= 0 per task ({', '.join(shapes.TAGS)}), not all 0",
@@ -349,24 +357,47 @@ def _draw_prompt(rng: np.random.Generator, split: str, task_weights: tuple[float
     return cands[int(rng.integers(len(cands)))]
 
 
-def _graded_pairs(rng: np.random.Generator, n: int, split: str,
-                  task_weights: tuple[float, ...] | None) -> tuple[np.ndarray, list[str]]:
+def _graded_pairs(rng: np.random.Generator, n: int, split: str, task_weights: tuple[float, ...] | None,
+                  by: str = "truth") -> tuple[np.ndarray, list[str]]:
     """n pairs of rendered near misses of a prompt each, the better first: uint8 [2n, SIZE, SIZE, 3], n prompts."""
     images, captions = [], []
     for _ in range(n):
         p = _draw_prompt(rng, split, task_weights)
-        images += [shapes.render(s, SIZE) for s in _graded_pair(rng, p)]
+        images += _graded_pair(rng, p) if by == "truth" else _blob_pair(rng, p)
         captions.append(p["prompt"])
     return np.stack(images), captions
 
 
-def _graded_pair(rng: np.random.Generator, meta: dict) -> tuple[shapes.Scene, shapes.Scene]:
-    """Two near misses of `meta` (0-2 edits each) whose dense scores for it differ, the higher first."""
+def _graded_pair(rng: np.random.Generator, meta: dict) -> list[np.ndarray]:
+    """Renders of two near misses of `meta` (0-2 edits each) whose dense scores for it differ, the higher first."""
     while True:
         a, b = (shapes.edited_scene(meta, rng, int(rng.integers(3))) for _ in range(2))
         sa, sb = (shapes.truth_score(meta, s.objects) for s in (a, b))
         if sa != sb:
-            return (a, b) if sa > sb else (b, a)
+            return [shapes.render(s, SIZE) for s in ((a, b) if sa > sb else (b, a))]
+
+
+def _blob_pair(rng: np.random.Generator, meta: dict) -> list[np.ndarray]:
+    """Two near misses of `meta` made blobs (`blobs`) whose dense scores for it, by the shapes detector and
+    GenEval's judge, differ, the higher first."""
+    from PIL import Image
+
+    detector, colours = detectors.load_models("shapes")
+    while True:
+        images = [blobs(shapes.render(shapes.edited_scene(meta, rng, int(rng.integers(3))), SIZE), rng) for _ in range(2)]
+        sa, sb = (j.score for j in detectors.detect_and_judge([Image.fromarray(a) for a in images], [meta, meta],
+                                                               detector, colours))
+        if sa != sb:
+            return images if sa > sb else images[::-1]
+
+
+def blobs(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [H, W, 3] -> uint8: Gaussian blur (sigma up to BLOB_BLUR px), then contrast stretched about
+    mid-grey (gain up to BLOB_GAIN) and clipped: corners rounded and edges hard again, as tiny-shapes' saturating
+    decoder draws them (most of its pixel values are exactly 0 or 255)."""
+    sigma, gain = rng.uniform(0, BLOB_BLUR), rng.uniform(1, BLOB_GAIN)
+    a = (shapes.blur(image, sigma) if sigma > 0.1 else image.astype(np.float64)) / 255.0
+    return (np.clip((a - 0.5) * gain + 0.5, 0, 1) * 255).round().astype(np.uint8)
 
 
 def _pair(rng: np.random.Generator, split: str, n_neg: int,
@@ -456,8 +487,9 @@ def make_batch(rng: np.random.Generator, r: Recipe, split: str = "train", bank: 
         ranked.append(b["images"][order] / 255.0)
         batch.ranked_captions += caps
     if r.graded_pairs:
-        images, caps = _graded_pairs(rng, r.graded_pairs, split, r.task_weights)
-        ranked.append(augment(images, rng, r))
+        images, caps = _graded_pairs(rng, r.graded_pairs, split, r.task_weights, r.graded_by)
+        # detector-graded images are judged as they are: augmenting them could change the detector's verdict
+        ranked.append(augment(images, rng, r) if r.graded_by == "truth" else images / 255.0)
         batch.ranked_captions += caps
     if ranked:
         batch.ranked = _to_model(np.concatenate(ranked))
