@@ -186,6 +186,27 @@ def test_graded_pairs_are_near_misses_of_their_prompt_the_better_first(tag):
     assert len(grades) >= 3, grades
 
 
+def test_blob_pairs_are_ordered_by_what_the_detector_sees():
+    """Detector-graded pairs: re-detecting and re-judging the two returned images gives the first the higher
+    dense score; blobs keep the image's shape and saturate like the generator's decoder."""
+    from PIL import Image
+
+    from tpkit.geneval import detectors
+
+    rng = np.random.default_rng(0)
+    detector, colours = detectors.load_models("shapes")
+    for tag in shapes.TAGS:
+        meta = shapes.split_prompts(tag, "train")[0]
+        images = preference._blob_pair(rng, meta)
+        assert all(a.shape == (preference.SIZE, preference.SIZE, 3) and a.dtype == np.uint8 for a in images)
+        high, low = (j.score for j in detectors.detect_and_judge([Image.fromarray(a) for a in images], [meta, meta],
+                                                                  detector, colours))
+        assert high > low, meta["prompt"]
+    scene = shapes.scene_for(shapes.split_prompts("two_object", "train")[0], rng)
+    blob = preference.blobs(shapes.render(scene, preference.SIZE), np.random.default_rng(3))
+    assert np.isin(blob, (0, 255)).mean() > 0.5
+
+
 def test_truth_score_is_the_dense_score_of_what_a_scene_holds():
     rng = np.random.default_rng(1)
     meta = shapes.metadata("color_attr", "circle", "square", colour="red", colour_b="blue")
@@ -205,10 +226,13 @@ def test_graded_pairs_join_the_ranking_term_and_old_runs_still_resume(tmp_path):
     from tpkit.errors import InputError
 
     r = preference.Recipe(steps=1, pairs=2, negatives=2, warmup=1, sample_pairs=0, graded_pairs=3, rank_start=0)
-    batch = preference.batch_for(r, 0)
-    assert batch.ranked.shape == (6, 3, preference.SIZE, preference.SIZE) and len(batch.ranked_captions) == 3
     train = {m["prompt"] for m in preference.train_prompts()}
-    assert set(batch.ranked_captions) <= train
+    for by in preference.GRADED_BY:
+        batch = preference.batch_for(dataclasses.replace(r, graded_by=by), 0)
+        assert batch.ranked.shape == (6, 3, preference.SIZE, preference.SIZE) and len(batch.ranked_captions) == 3
+        assert set(batch.ranked_captions) <= train
+    with pytest.raises(InputError, match="--graded-by"):
+        dataclasses.replace(r, graded_by="eye").validate()
     assert preference.batch_for(dataclasses.replace(r, rank_start=1), 0).ranked is None
     value, info = preference.loss(*(lambda m, p: (m, p.tokenizer))(*preference.build()), batch)
     assert torch.isfinite(value) and "rank_acc" in info

@@ -363,18 +363,18 @@ def _graded_pairs(rng: np.random.Generator, n: int, split: str, task_weights: tu
     images, captions = [], []
     for _ in range(n):
         p = _draw_prompt(rng, split, task_weights)
-        images += _graded_pair(rng, p) if by == "truth" else _blob_pair(rng, p)
+        images += [shapes.render(s, SIZE) for s in _graded_pair(rng, p)] if by == "truth" else _blob_pair(rng, p)
         captions.append(p["prompt"])
     return np.stack(images), captions
 
 
-def _graded_pair(rng: np.random.Generator, meta: dict) -> list[np.ndarray]:
-    """Renders of two near misses of `meta` (0-2 edits each) whose dense scores for it differ, the higher first."""
+def _graded_pair(rng: np.random.Generator, meta: dict) -> tuple[shapes.Scene, shapes.Scene]:
+    """Two near misses of `meta` (0-2 edits each) whose dense scores for it differ, the higher first."""
     while True:
         a, b = (shapes.edited_scene(meta, rng, int(rng.integers(3))) for _ in range(2))
         sa, sb = (shapes.truth_score(meta, s.objects) for s in (a, b))
         if sa != sb:
-            return [shapes.render(s, SIZE) for s in ((a, b) if sa > sb else (b, a))]
+            return (a, b) if sa > sb else (b, a)
 
 
 def _blob_pair(rng: np.random.Generator, meta: dict) -> list[np.ndarray]:
