@@ -11,7 +11,8 @@ Everything goes through the `pickscore` reward exactly as `tpkit score --reward 
    class, a colour, the count, the relation, the colour binding), checked false for the scene by
    GenEval's judge on its true boxes.
 2. `tiny-shapes` samples (ODE with CFG; `--samples` per test prompt), with the eval sampler's 40 steps
-   and with the rollout's 10 (the images the reward judges during RL):
+   and with the rollout's 10 (the images the reward judges during RL); and half as many of every train
+   prompt at 40 steps, from other noise than the training bank's (its captions seen, its images not):
    the shapes detector says what is drawn. Pairwise accuracy on the samples it judges correct
    (the own caption against a one-detail-wrong caption its detections make false), and the
    Spearman correlation of the reward with GenEval's dense score, over all samples, within each
@@ -49,15 +50,24 @@ def reward(model: str):
     return lambda images, prompts: score_images(rewards, images, prompts, [{}] * len(images))["reward"]
 
 
+def ranks(x) -> np.ndarray:
+    """Ranks from 0, tied values sharing their mean rank (Spearman's definition: the dense score ties a lot,
+    and ranking ties by input order would invent differences between equal scores)."""
+    _, where, counts = np.unique(np.asarray(x, dtype=float), return_inverse=True, return_counts=True)
+    first = np.cumsum(counts) - counts
+    return (first + (counts - 1) / 2)[where]
+
+
 def spearman(a, b) -> float:
-    ra, rb = (np.argsort(np.argsort(x, kind="stable"), kind="stable").astype(float) for x in (a, b))
+    """Spearman's rho (= scipy.stats.spearmanr); nan when either side is constant."""
+    ra, rb = ranks(a), ranks(b)
     if ra.std() == 0 or rb.std() == 0:
         return float("nan")
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def on_samples(score, per_prompt: int, steps: int = 40, seed: int = 0) -> dict:
-    metas = [m for tag in shapes.TAGS for m in shapes.split_prompts(tag, "test")]
+def on_samples(score, per_prompt: int, steps: int = 40, seed: int = 0, split: str = "test") -> dict:
+    metas = [m for tag in shapes.TAGS for m in shapes.split_prompts(tag, split)]
     m = shapes_model.models.load(SHAPES_MODEL, device="cpu")
     detector, _ = detectors.load_models("shapes")
     rng = np.random.default_rng(seed)
@@ -122,6 +132,9 @@ def main() -> None:
     result = {"model": a.model, "per_task": a.per_task, "rendered": rendered}
     if a.samples:
         result["tiny_shapes_samples"] = {steps: on_samples(score, a.samples, steps) for steps in SAMPLE_STEPS}
+        # train prompts, fresh samples (noise seed 1; the training bank's is 0): is a low correlation the
+        # unseen captions, or the unseen images?
+        result["train_prompt_samples"] = on_samples(score, max(1, a.samples // 2), 40, seed=1, split="train")
     result["seconds"] = round(time.time() - t0, 1)
     md = ["# tiny-shapes-pickscore: quality on held-out prompts\n",
           f"`python bench/shapes/reward_quality.py --model {a.model} --per-task {a.per_task} --samples {a.samples}` "
@@ -129,11 +142,13 @@ def main() -> None:
           table("Pairwise accuracy on rendered scenes (own caption > one-detail-wrong caption)", rendered)]
     if a.samples:
         by_steps = result["tiny_shapes_samples"]
+        named = {f"{steps} ODE steps": s for steps, s in by_steps.items()}
+        named["train prompts (fresh samples), 40 ODE steps"] = result["train_prompt_samples"]
         md += ["", table("Pairwise accuracy on tiny-shapes samples the detector judges correct",
-                         {f"{steps} ODE steps ({s['judged_correct']} of {s['samples']})": s["pairwise"]
-                          for steps, s in by_steps.items()}), ""]
-        for steps, s in by_steps.items():
-            md.append(f"- {steps} ODE steps: Spearman correlation with GenEval's dense score on all {s['samples']} "
+                         {f"{name} ({s['judged_correct']} of {s['samples']})": s["pairwise"]
+                          for name, s in named.items()}), ""]
+        for name, s in named.items():
+            md.append(f"- {name}: Spearman correlation with GenEval's dense score on all {s['samples']} "
                       f"samples **{s['spearman_dense']:.3f}**; within a prompt (mean over {s['prompts_with_spread']} "
                       f"prompts whose samples differ) {s['spearman_dense_within_prompt']:.3f}; by task "
                       + ", ".join(f"{t} {s['spearman_dense_by_task'][t]:.3f} ({s['samples_by_task'][t]})" for t in shapes.TAGS)

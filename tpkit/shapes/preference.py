@@ -21,7 +21,10 @@ is cross-entropy both ways: each image against its caption, the pair's other cap
 one-detail-wrong and random captions (every one checked false for that image: `negatives`); each
 caption against the two images of its pair (the one it describes wins). Images are augmented
 (colour jitter, Gaussian blur of up to 2 px, noise) so that blurry samples of the generator are
-judged, not only crisp renders.
+judged, not only crisp renders. From step `rank_start` a Bradley-Terry term also ranks pairs of the
+generator's own samples of one prompt by their dense score (`sample_pairs`, the sample bank) and, in
+probes the shipped model does not use (`bench/shapes/reward/`), rendered near misses of a prompt
+(`graded_pairs`, `graded_by`).
 
 Quality is measured on **test-split** prompts (`pairwise_accuracy`, `bench/shapes/reward/`): the
 matching caption against a one-detail-wrong caption, per GenEval task.
