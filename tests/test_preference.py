@@ -243,7 +243,7 @@ def test_graded_pairs_join_the_ranking_term_and_old_runs_still_resume(tmp_path):
     del state["recipe"]["graded_pairs"]  # as saved before the option existed
     torch.save(state, tmp_path / "state.pt")
     assert preference.train(tmp_path, plain, progress=False, workers=0) == tmp_path / "model"  # already trained
-    with pytest.raises(InputError, match="another recipe"):
+    with pytest.raises(InputError, match=r"another recipe: graded_pairs 0 \(now 3\)"):
         preference.train(tmp_path, r, progress=False, workers=0)
 
 

@@ -601,8 +601,10 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
     step, history = 0, []
     if state_path.is_file():
         st = torch.load(state_path, weights_only=False)
-        if {**asdict(Recipe()), **st["recipe"]} != asdict(r):  # options added since take their defaults
-            raise InputError(f"{out} holds a run of another recipe", "pass the same options, or a new --out")
+        saved, mine = {**asdict(Recipe()), **st["recipe"]}, asdict(r)  # options added since take their defaults
+        if saved != mine:
+            differ = ", ".join(f"{k} {saved[k]} (now {mine[k]})" for k in mine if saved[k] != mine[k])
+            raise InputError(f"{out} holds a run of another recipe: {differ}", "pass the same options, or a new --out")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
         step, history = st["step"], st["history"]
