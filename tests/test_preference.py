@@ -247,6 +247,38 @@ def test_graded_pairs_join_the_ranking_term_and_old_runs_still_resume(tmp_path):
         preference.train(tmp_path, r, progress=False, workers=0)
 
 
+
+def test_caption_pairs_rank_a_samples_captions_by_what_the_detector_sees(tmp_path):
+    """Each bank sample's caption pairs put the caption the detector's verdict on it scores higher first: a
+    scene of its own prompt above every one-detail-wrong caption, a scene of a wrong prompt filed under the
+    right one (a sample that drew the wrong thing) with that wrong caption above its own."""
+    from tpkit.errors import InputError
+
+    rng = np.random.default_rng(0)
+    meta = shapes.split_prompts("two_object", "train")[0]
+    wrong = next(m for m in preference.one_detail_wrong(meta) if preference._in_split(m, "train"))
+    path = tmp_path / preference.BANK
+    np.savez(path, images=np.stack([shapes.render(shapes.scene_for(m, rng), preference.SIZE) for m in (meta, wrong)]),
+             prompts=np.array([meta["prompt"]] * 2), dense=np.array([1.0, 0.5]), correct=np.array([True, False]),
+             settings=np.array("test"))
+    entries = preference._caption_verdicts(str(path))["two_object"]
+    own = [(better, worse) for i, better, worse in entries if i == 0]
+    assert own and all(better == meta["prompt"] for better, _ in own)
+    assert (1, wrong["prompt"], meta["prompt"]) in entries
+
+    r = preference.Recipe(pairs=2, negatives=2, sample_pairs=0, caption_pairs=3, rank_start=0)
+    batch = preference.batch_for(r, 0, str(path))
+    assert batch.captioned.shape == (3, 3, preference.SIZE, preference.SIZE) and batch.ranked is None
+    images = ((batch.captioned.permute(0, 2, 3, 1) * 0.5 + 0.5) * 255).round().to(torch.uint8).numpy()
+    bank = preference._bank(str(path))
+    where = [int(np.flatnonzero((bank["images"] == im).all(axis=(1, 2, 3)))[0]) for im in images]
+    assert all((i, *pair) in entries for i, pair in zip(where, batch.caption_pairs))
+    value, info = preference.loss(*(lambda m, p: (m, p.tokenizer))(*preference.build()), batch)
+    assert torch.isfinite(value) and 0 <= info["caption_rank_acc"] <= 1 and "rank_acc" not in info
+    assert preference.batch_for(dataclasses.replace(r, rank_start=1), 0, str(path)).captioned is None  # not yet
+    with pytest.raises(InputError, match="--caption-pairs"):
+        dataclasses.replace(r, caption_pairs=-1).validate()
+
 shipped = pytest.mark.skipif(not (preference.weights_dir() / "model.safetensors").is_file(),
                              reason="tiny-shapes-pickscore is not in this checkout")
 

@@ -498,6 +498,8 @@ def pretrain_shapes_reward(
                                                "their dense score (0: none)."),
     graded_by: Optional[str] = typer.Option(None, help="How graded pairs are graded: truth (crisp renders, true boxes) "
                                             "or detector (blurred, saturated renders through the shapes detector)."),
+    caption_pairs: Optional[int] = typer.Option(None, help="tiny-shapes samples per batch ranked under two captions "
+                                                "by the shapes detector's verdict on them (0: none)."),
     task_weight: List[str] = typer.Option([], help="TAG=W: relative share of a GenEval task's scene pairs "
                                           "(repeatable; unnamed tasks weigh 1; default: every task alike)."),
 ) -> None:
@@ -508,7 +510,7 @@ def pretrain_shapes_reward(
     _positive_minutes(max_minutes)
     recipe = preference.Recipe()
     for name, value in (("steps", steps), ("sample_pairs", sample_pairs), ("samples_per_prompt", samples_per_prompt),
-                        ("graded_pairs", graded_pairs), ("graded_by", graded_by)):
+                        ("graded_pairs", graded_pairs), ("graded_by", graded_by), ("caption_pairs", caption_pairs)):
         if value is not None:
             setattr(recipe, name, value)
     if task_weight:

@@ -24,7 +24,8 @@ caption against the two images of its pair (the one it describes wins). Images a
 judged, not only crisp renders. From step `rank_start` a Bradley-Terry term also ranks pairs of the
 generator's own samples of one prompt by their dense score (`sample_pairs`, the sample bank) and, in
 probes the shipped model does not use (`bench/shapes/reward/`), rendered near misses of a prompt
-(`graded_pairs`, `graded_by`).
+(`graded_pairs`, `graded_by`) and the two captions of a bank sample that the shapes detector's verdict on
+it tells apart (`caption_pairs`).
 
 Quality is measured on **test-split** prompts (`pairwise_accuracy`, `bench/shapes/reward/`): the
 matching caption against a one-detail-wrong caption, per GenEval task.
@@ -107,6 +108,11 @@ class Recipe:
     # "detector" (renders blurred and saturated into the generator's blobs, where a rounded square may pass
     # for a circle, then judged as the samples are: the shapes detector, then GenEval's judge).
     graded_by: str = "truth"
+    # Bank samples per batch, each ranked under two captions, its prompt and a one-detail-wrong train prompt,
+    # by their dense scores on the shapes detector's detections of that sample (Bradley-Terry, from rank_start):
+    # the detector's verdict on the generator's own blobs (a rounded square it calls a circle ranks "circle"
+    # above "square"), which the ranking of samples of one prompt learns only as a memorised bank. 0: none.
+    caption_pairs: int = 0
     # Relative share of each GenEval task's scene pairs, in `shapes.TAGS` order (None: alike, the shipped
     # model's draw): `--task-weight position=3` for more of the relation scenes the model finds hardest.
     task_weights: tuple[float, ...] | None = None
@@ -115,9 +121,9 @@ class Recipe:
     def validate(self) -> "Recipe":
         """Every count and rate in range before any work; an InputError naming the option otherwise."""
         for name in ("steps", "pairs", "negatives", "warmup", "sample_pairs", "samples_per_prompt", "sample_steps", "rank_start",
-                     "graded_pairs"):
+                     "graded_pairs", "caption_pairs"):
             value = getattr(self, name)
-            low = 0 if name in ("warmup", "sample_pairs", "rank_start", "graded_pairs") else 1
+            low = 0 if name in ("warmup", "sample_pairs", "rank_start", "graded_pairs", "caption_pairs") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 flag = "--" + name.replace("_", "-")
                 raise InputError(f"{flag} {value!r} must be a whole number >= {low}", f"e.g. {flag} {getattr(Recipe, name)}")
@@ -257,6 +263,8 @@ class Batch:
     candidates: list[list[str]]  # [2P][1 + negatives]: the own prompt first, then captions false for the image
     ranked: torch.Tensor | None = None  # [2S, 3, SIZE, SIZE] in [-1, 1]: tiny-shapes samples, 2i better than 2i + 1
     ranked_captions: list[str] = field(default_factory=list)  # [S]: the prompt both samples of pair i were drawn for
+    captioned: torch.Tensor | None = None  # [C, 3, SIZE, SIZE] in [-1, 1]: tiny-shapes samples of the bank
+    caption_pairs: list[tuple[str, str]] = field(default_factory=list)  # [C]: (better, worse) caption for sample i
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,6 +357,43 @@ def _ranked_pairs(rng: np.random.Generator, bank: dict, n: int) -> tuple[np.ndar
     return np.asarray(order), captions
 
 
+@lru_cache(maxsize=2)
+def _caption_verdicts(path: str) -> dict[str, list[tuple[int, str, str]]]:
+    """Per task, (sample, better caption, worse caption) for every bank sample and every one-detail-wrong
+    train prompt of its own whose dense score on the sample's detections (the shapes detector, GenEval's
+    judge) differs from its own prompt's. Detected once per process (about 8 ms an image)."""
+    from PIL import Image
+
+    from tpkit.geneval.judge import judge
+
+    bank = _bank(path)
+    detector, _ = detectors.load_models("shapes")
+    meta_of = {m["prompt"]: m for m in train_prompts()}
+    out: dict[str, list[tuple[int, str, str]]] = {}
+    for start in range(0, len(bank["images"]), 256):
+        found = detector([Image.fromarray(a) for a in bank["images"][start: start + 256]])
+        for i, dets in enumerate(found, start):
+            meta = meta_of[str(bank["prompts"][i])]
+            dets = [dict(d, color=d.get("color")) for d in dets]
+            own = judge(meta, dets).score
+            for w in one_detail_wrong(meta):
+                if _in_split(w, "train") and (other := judge(w, dets).score) != own:
+                    pair = (meta["prompt"], w["prompt"]) if own > other else (w["prompt"], meta["prompt"])
+                    out.setdefault(meta["tag"], []).append((i, *pair))
+    return out
+
+
+def _caption_pairs(rng: np.random.Generator, verdicts: dict[str, list[tuple[int, str, str]]],
+                   n: int) -> tuple[np.ndarray, list[tuple[str, str]]]:
+    """n (sample, better caption, worse caption) of `_caption_verdicts`: a task uniformly, then one of its verdicts."""
+    tags = sorted(verdicts)
+    picks = []
+    for _ in range(n):
+        entries = verdicts[tags[int(rng.integers(len(tags)))]]
+        picks.append(entries[int(rng.integers(len(entries)))])
+    return np.asarray([i for i, _, _ in picks]), [(a, b) for _, a, b in picks]
+
+
 def _draw_prompt(rng: np.random.Generator, split: str, task_weights: tuple[float, ...] | None) -> dict:
     """A prompt of the split: its task with the relative `task_weights` (None: alike), then uniformly."""
     if task_weights is None:  # its own draw, so that the shipped recipe's batches stay what they were
@@ -438,7 +483,7 @@ def augment(images: np.ndarray, rng: np.random.Generator, r: Recipe) -> np.ndarr
 
 def batch_for(r: Recipe, step: int, bank: str | None = None) -> Batch:
     """Step `step`'s batch: its own random stream (seed, step), so that a resumed run, or one whose batches
-    another process made, sees the very same data. bank: the sample bank's path (r.sample_pairs > 0)."""
+    another process made, sees the very same data. bank: the sample bank's path (r.sample_pairs or r.caption_pairs > 0)."""
     return make_batch(np.random.default_rng([r.seed, step]), r, bank=bank, step=step)
 
 
@@ -484,8 +529,11 @@ def make_batch(rng: np.random.Generator, r: Recipe, split: str = "train", bank: 
     if step < r.rank_start:
         return batch
     ranked = []
-    b = _bank(bank) if r.sample_pairs and bank is not None else None
-    if b is not None and b["groups"]:  # the generator's samples as they are: what the reward judges in RL
+    b = _bank(bank) if bank is not None else None
+    if r.caption_pairs and b is not None and (verdicts := _caption_verdicts(bank)):
+        idx, batch.caption_pairs = _caption_pairs(rng, verdicts, r.caption_pairs)
+        batch.captioned = _to_model(b["images"][idx] / 255.0)  # as they are: the verdict is on these pixels
+    if r.sample_pairs and b is not None and b["groups"]:  # the generator's samples as they are: what the reward judges in RL
         order, caps = _ranked_pairs(rng, b, r.sample_pairs)
         ranked.append(b["images"][order] / 255.0)
         batch.ranked_captions += caps
@@ -517,7 +565,8 @@ def embed(model, tok, pixels: torch.Tensor, texts: list[str]) -> tuple[torch.Ten
 def loss(model, tok, batch: Batch, rank_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
     """Cross-entropy of each image over its candidate captions (its own first) plus of each caption over
     its pair's two images; logits = exp(logit_scale) * cos, as the reward scores. With ranked samples,
-    plus rank_weight * mean softplus(r(worse) - r(better)) (Bradley-Terry on the reward r of each pair)."""
+    plus rank_weight * mean softplus(r(worse) - r(better)) (Bradley-Terry on the reward r of each pair); with
+    captioned samples, plus rank_weight * mean softplus(r(x, worse caption) - r(x, better caption))."""
     texts = sorted({c for cs in batch.candidates for c in cs})
     index = {t: i for i, t in enumerate(texts)}
     img, txt = embed(model, tok, batch.pixels, texts)
@@ -544,6 +593,12 @@ def loss(model, tok, batch: Batch, rank_weight: float = 1.0) -> tuple[torch.Tens
         l_rank = torch.nn.functional.softplus(r[:, 1] - r[:, 0]).mean()
         total = total + rank_weight * l_rank
         info["rank_acc"] = (r[:, 0] > r[:, 1]).float().mean().item()
+    if batch.captioned is not None:
+        # each sample's better caption above its worse: -log sigmoid(r(x, better) - r(x, worse))
+        sample, two = embed(model, tok, batch.captioned, [c for pair in batch.caption_pairs for c in pair])
+        r = scale * (sample[:, None, :] * two.view(len(sample), 2, -1)).sum(-1)  # [C, 2]
+        total = total + rank_weight * torch.nn.functional.softplus(r[:, 1] - r[:, 0]).mean()
+        info["caption_rank_acc"] = (r[:, 0] > r[:, 1]).float().mean().item()
     return total, {"loss": total.item(), "caption_acc": acc, **info, "scale": scale.item()}
 
 
@@ -621,7 +676,7 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
     # 2. The sample bank (drawn once; its minutes count towards --max-minutes).
     t_start = time.monotonic()
     bank = None
-    if r.sample_pairs:
+    if r.sample_pairs or r.caption_pairs:
         bank_path = out / BANK
         if bank_path.is_file() and bank_settings(bank_path) != _bank_settings(r):
             raise InputError(f"{bank_path} holds samples of another recipe ({bank_settings(bank_path)})",
@@ -662,7 +717,8 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
             if step % 50 == 0:
                 history.append({"step": step, **{k: round(v, 4) for k, v in smooth.items()}})
             bar.update(task, completed=step, info=f"loss {smooth['loss']:.3f} caption acc {smooth['caption_acc']:.2f}"
-                       + (f" rank acc {smooth['rank_acc']:.2f}" if "rank_acc" in smooth else ""))
+                       + (f" rank acc {smooth['rank_acc']:.2f}" if "rank_acc" in smooth else "")
+                       + (f" caption rank acc {smooth['caption_rank_acc']:.2f}" if "caption_rank_acc" in smooth else ""))
             if time.monotonic() - last > 60 * r.checkpoint_minutes:
                 checkpoint()
                 last = time.monotonic()
