@@ -48,6 +48,7 @@ from tpkit import layout, models
 from tpkit.errors import InputError
 from tpkit.geneval import detectors
 from tpkit.geneval import prompts as gp
+from tpkit.geneval.judge import judge
 from tpkit.models.names import SHAPES_MODEL, SHAPES_PICKSCORE
 from tpkit.rewards.clip import BUILTIN_MODELS
 from tpkit.shapes import model as shapes_model
@@ -363,8 +364,6 @@ def _caption_verdicts(path: str) -> dict[str, list[tuple[int, str, str]]]:
     train prompt of its own whose dense score on the sample's detections (the shapes detector, GenEval's
     judge) differs from its own prompt's. Detected once per process (about 8 ms an image)."""
     from PIL import Image
-
-    from tpkit.geneval.judge import judge
 
     bank = _bank(path)
     detector, _ = detectors.load_models("shapes")
