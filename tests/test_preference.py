@@ -247,7 +247,6 @@ def test_graded_pairs_join_the_ranking_term_and_old_runs_still_resume(tmp_path):
         preference.train(tmp_path, r, progress=False, workers=0)
 
 
-
 def test_caption_pairs_rank_a_samples_captions_by_what_the_detector_sees(tmp_path):
     """Each bank sample's caption pairs put the caption the detector's verdict on it scores higher first: a
     scene of its own prompt above every one-detail-wrong caption, a scene of a wrong prompt filed under the
@@ -278,6 +277,7 @@ def test_caption_pairs_rank_a_samples_captions_by_what_the_detector_sees(tmp_pat
     assert preference.batch_for(dataclasses.replace(r, rank_start=1), 0, str(path)).captioned is None  # not yet
     with pytest.raises(InputError, match="--caption-pairs"):
         dataclasses.replace(r, caption_pairs=-1).validate()
+
 
 shipped = pytest.mark.skipif(not (preference.weights_dir() / "model.safetensors").is_file(),
                              reason="tiny-shapes-pickscore is not in this checkout")

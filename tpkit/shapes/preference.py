@@ -482,7 +482,8 @@ def augment(images: np.ndarray, rng: np.random.Generator, r: Recipe) -> np.ndarr
 
 def batch_for(r: Recipe, step: int, bank: str | None = None) -> Batch:
     """Step `step`'s batch: its own random stream (seed, step), so that a resumed run, or one whose batches
-    another process made, sees the very same data. bank: the sample bank's path (r.sample_pairs or r.caption_pairs > 0)."""
+    another process made, sees the very same data. bank: the sample bank's path (when r.sample_pairs or
+    r.caption_pairs > 0)."""
     return make_batch(np.random.default_rng([r.seed, step]), r, bank=bank, step=step)
 
 
@@ -532,7 +533,8 @@ def make_batch(rng: np.random.Generator, r: Recipe, split: str = "train", bank: 
     if r.caption_pairs and b is not None and (verdicts := _caption_verdicts(bank)):
         idx, batch.caption_pairs = _caption_pairs(rng, verdicts, r.caption_pairs)
         batch.captioned = _to_model(b["images"][idx] / 255.0)  # as they are: the verdict is on these pixels
-    if r.sample_pairs and b is not None and b["groups"]:  # the generator's samples as they are: what the reward judges in RL
+    # the generator's samples as they are: what the reward judges in RL
+    if r.sample_pairs and b is not None and b["groups"]:
         order, caps = _ranked_pairs(rng, b, r.sample_pairs)
         ranked.append(b["images"][order] / 255.0)
         batch.ranked_captions += caps
