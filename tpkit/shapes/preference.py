@@ -563,6 +563,11 @@ def embed(model, tok, pixels: torch.Tensor, texts: list[str]) -> tuple[torch.Ten
     return torch.nn.functional.normalize(img, dim=-1), torch.nn.functional.normalize(txt, dim=-1)
 
 
+def _bradley_terry(r: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """r [N, 2]: rewards of each pair, the better first -> (mean -log sigmoid(r_better - r_worse), share ordered)."""
+    return torch.nn.functional.softplus(r[:, 1] - r[:, 0]).mean(), (r[:, 0] > r[:, 1]).float().mean().item()
+
+
 def loss(model, tok, batch: Batch, rank_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
     """Cross-entropy of each image over its candidate captions (its own first) plus of each caption over
     its pair's two images; logits = exp(logit_scale) * cos, as the reward scores. With ranked samples,
@@ -588,18 +593,17 @@ def loss(model, tok, batch: Batch, rank_weight: float = 1.0) -> tuple[torch.Tens
     acc = (logits.argmax(1) == 0).float().mean().item()
     total, info = l_img + l_txt, {}
     if batch.ranked is not None:
-        # the better sample of each pair above the worse for their prompt: -log sigmoid(r(better) - r(worse))
+        # the better sample of each pair above the worse for their prompt
         ranked, cap_txt = embed(model, tok, batch.ranked, batch.ranked_captions)
         r = scale * (ranked.view(len(cap_txt), 2, -1) * cap_txt[:, None, :]).sum(-1)  # [S, 2]
-        l_rank = torch.nn.functional.softplus(r[:, 1] - r[:, 0]).mean()
+        l_rank, info["rank_acc"] = _bradley_terry(r)
         total = total + rank_weight * l_rank
-        info["rank_acc"] = (r[:, 0] > r[:, 1]).float().mean().item()
     if batch.captioned is not None:
-        # each sample's better caption above its worse: -log sigmoid(r(x, better) - r(x, worse))
+        # each sample's better caption above its worse
         sample, two = embed(model, tok, batch.captioned, [c for pair in batch.caption_pairs for c in pair])
         r = scale * (sample[:, None, :] * two.view(len(sample), 2, -1)).sum(-1)  # [C, 2]
-        total = total + rank_weight * torch.nn.functional.softplus(r[:, 1] - r[:, 0]).mean()
-        info["caption_rank_acc"] = (r[:, 0] > r[:, 1]).float().mean().item()
+        l_cap, info["caption_rank_acc"] = _bradley_terry(r)
+        total = total + rank_weight * l_cap
     return total, {"loss": total.item(), "caption_acc": acc, **info, "scale": scale.item()}
 
 
