@@ -207,6 +207,27 @@ def test_blob_pairs_are_ordered_by_what_the_detector_sees():
     assert np.isin(blob, (0, 255)).mean() > 0.5
 
 
+def test_the_flipped_relation_column_needs_a_judge_that_sees_where_things_are():
+    """pairwise_accuracy's "relation": the shapes detector and GenEval's judge as the score get the position
+    scenes' relation right; the same judge on every image turned by 180 degrees (left <-> right, above <->
+    below, the shapes unchanged) gets it wrong, while the tasks without a relation stay where they were."""
+    from tpkit.geneval import detectors
+
+    detector, colours = detectors.load_models("shapes")
+    meta = {m["prompt"]: m for tag in shapes.TAGS for m in shapes.split_prompts(tag)}
+
+    def judged(turn: bool):
+        def score(images, prompts):
+            metas = [meta[p] for p in prompts]
+            images = [im.rotate(180) for im in images] if turn else images
+            return [j.score for j in detectors.detect_and_judge(images, metas, detector, colours)]
+        return score
+
+    seeing, turned = (preference.pairwise_accuracy(judged(turn), "test", per_task=16) for turn in (False, True))
+    assert seeing["relation"] >= 0.9 and turned["relation"] <= 0.1, (seeing, turned)
+    assert all(turned[t] == seeing[t] for t in ("single_object", "counting", "colors")), (seeing, turned)
+
+
 def test_truth_score_is_the_dense_score_of_what_a_scene_holds():
     rng = np.random.default_rng(1)
     meta = shapes.metadata("color_attr", "circle", "square", colour="red", colour_b="blue")

@@ -502,6 +502,8 @@ def pretrain_shapes_reward(
                                                 "by the shapes detector's verdict on them (0: none)."),
     task_weight: List[str] = typer.Option([], help="TAG=W: relative share of a GenEval task's scene pairs "
                                           "(repeatable; unnamed tasks weigh 1; default: every task alike)."),
+    layout_aux: Optional[float] = typer.Option(None, help="Weight of a training-only head that regresses where each "
+                                               "shape class is from the image embedding (0: none)."),
 ) -> None:
     """Pretrain `tiny-shapes-pickscore`, the testbed's CLIP preference model, on train-split prompts (fixed seed;
     resumable: rerun the same command)."""
@@ -510,7 +512,8 @@ def pretrain_shapes_reward(
     _positive_minutes(max_minutes)
     recipe = preference.Recipe()
     for name, value in (("steps", steps), ("sample_pairs", sample_pairs), ("samples_per_prompt", samples_per_prompt),
-                        ("graded_pairs", graded_pairs), ("graded_by", graded_by), ("caption_pairs", caption_pairs)):
+                        ("graded_pairs", graded_pairs), ("graded_by", graded_by), ("caption_pairs", caption_pairs),
+                        ("layout_aux", layout_aux)):
         if value is not None:
             setattr(recipe, name, value)
     if task_weight:

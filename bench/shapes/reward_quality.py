@@ -9,7 +9,9 @@ Everything goes through the `pickscore` reward exactly as `tpkit score --reward 
 1. Rendered scenes (`tpkit.shapes.scenes`, seed 1234), crisp and blurred (Gaussian sigma 1 px): per
    GenEval task, how often the matching caption scores above a caption with one detail wrong (a
    class, a colour, the count, the relation, the colour binding), checked false for the scene by
-   GenEval's judge on its true boxes.
+   GenEval's judge on its true boxes. Beside the tasks, the position scenes against their relation
+   flipped (same shapes): most of position's one-detail-wrong captions change a shape, so its column
+   can be well above chance for a model that does not see where things are; this one cannot.
 2. `tiny-shapes` samples (ODE with CFG; `--samples` per test prompt), with the eval sampler's 40 steps
    and with the rollout's 10 (the images the reward judges during RL); and half as many of every train
    prompt at 40 steps, from other noise than the training bank's (its captions seen, its images not):
@@ -110,8 +112,9 @@ def on_samples(score, per_prompt: int, steps: int = 40, seed: int = 0, split: st
 
 
 def table(title: str, accs: dict[str, dict]) -> str:
-    cols = ["overall", *shapes.TAGS]
-    lines = [f"**{title}**", "", "| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    cols = ["overall", *shapes.TAGS] + (["relation"] if any("relation" in a for a in accs.values()) else [])
+    head = [c if c != "relation" else "position, relation flipped" for c in cols]
+    lines = [f"**{title}**", "", "| | " + " | ".join(head) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, a in accs.items():
         lines.append(f"| {name} | " + " | ".join(f"{a[c]:.3f}" if c in a else "-" for c in cols) + " |")
     return "\n".join(lines)

@@ -117,6 +117,13 @@ class Recipe:
     # Relative share of each GenEval task's scene pairs, in `shapes.TAGS` order (None: alike, the shipped
     # model's draw): `--task-weight position=3` for more of the relation scenes the model finds hardest.
     task_weights: tuple[float, ...] | None = None
+    # Weight of a training-only objective: a linear head on the image embedding regresses, for every shape class,
+    # whether the rendered scene holds it and where its centre is (`layout_targets`); the head is thrown away, the
+    # saved model stays a plain CLIPModel. Without it the relations stay at chance: contrastive training makes the
+    # image embedding blind to where things are before any relation is learned, and a relation then has no gradient
+    # (the image side of "left of" against "right of" is zero, so the text side's is too; `bench/shapes/reward/`).
+    # 0: none (the shipped model).
+    layout_aux: float = 0.0
     arch: Arch = field(default_factory=Arch)
 
     def validate(self) -> "Recipe":
@@ -131,7 +138,7 @@ class Recipe:
         if self.sample_pairs and self.samples_per_prompt < 2:
             raise InputError(f"--samples-per-prompt {self.samples_per_prompt}: ranking samples of one prompt needs at least 2",
                              "e.g. --samples-per-prompt 8, or --sample-pairs 0 (rendered scenes only)")
-        for name in ("lr", "weight_decay", "blur", "noise", "jitter", "checkpoint_minutes", "rank_weight"):
+        for name in ("lr", "weight_decay", "blur", "noise", "jitter", "checkpoint_minutes", "rank_weight", "layout_aux"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise InputError(f"{name} = {value!r} must be a finite number >= 0", f"e.g. {getattr(Recipe, name)}")
@@ -266,6 +273,7 @@ class Batch:
     ranked_captions: list[str] = field(default_factory=list)  # [S]: the prompt both samples of pair i were drawn for
     captioned: torch.Tensor | None = None  # [C, 3, SIZE, SIZE] in [-1, 1]: tiny-shapes samples of the bank
     caption_pairs: list[tuple[str, str]] = field(default_factory=list)  # [C]: (better, worse) caption for sample i
+    layout: torch.Tensor | None = None  # [2P, len(SHAPES), 3]: `layout_targets` of the rendered scenes (layout_aux)
 
 
 # --------------------------------------------------------------------------------------------
@@ -465,6 +473,35 @@ def _pair(rng: np.random.Generator, split: str, n_neg: int,
         return [sp, sq], [p["prompt"], q["prompt"]], [cand_p, cand_q]
 
 
+def layout_targets(scenes: list[shapes.Scene]) -> torch.Tensor:
+    """[N, len(SHAPES), 3]: for each scene and shape class, (1 if the scene holds one, else 0, then the mean
+    centre of those objects, x and y scaled to [-1, 1] over the canvas; 0, 0 when absent)."""
+    out = torch.zeros(len(scenes), len(shapes.SHAPES), 3)
+    for i, scene in enumerate(scenes):
+        for k, shape in enumerate(shapes.SHAPES):
+            objs = [o for o in scene.objects if o.shape == shape]
+            if objs:
+                out[i, k, 0] = 1.0
+                out[i, k, 1] = 2 * float(np.mean([o.x for o in objs])) / scene.size - 1
+                out[i, k, 2] = 2 * float(np.mean([o.y for o in objs])) / scene.size - 1
+    return out
+
+
+def layout_head(arch: Arch) -> torch.nn.Linear:
+    """The training-only head of `layout_aux`: image embedding [D] -> [len(SHAPES) * 3] (presence logit, x, y)."""
+    return torch.nn.Linear(arch.projection, 3 * len(shapes.SHAPES))
+
+
+def layout_loss(head: torch.nn.Module, img: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of each class's presence, plus the squared error of the centres of the classes
+    present: img [N, D] (the normalised embedding the reward's cosine uses), target [N, len(SHAPES), 3]."""
+    y = head(img).view(target.shape)
+    present = target[..., 0]
+    l_present = torch.nn.functional.binary_cross_entropy_with_logits(y[..., 0], present)
+    l_centre = (((y[..., 1:] - target[..., 1:]) ** 2).sum(-1) * present).sum() / present.sum().clamp(min=1)
+    return l_present + l_centre
+
+
 def augment(images: np.ndarray, rng: np.random.Generator, r: Recipe) -> np.ndarray:
     """uint8 [B, H, W, 3] -> float [B, H, W, 3] in [0, 1]: per-channel gain and offset, Gaussian blur,
     pixel noise (renders made to look like the generator's soft, slightly off-colour samples)."""
@@ -525,7 +562,8 @@ def make_batch(rng: np.random.Generator, r: Recipe, split: str = "train", bank: 
         scenes_ += s
         captions += c
         candidates += k
-    batch = Batch(_to_model(augment(np.stack([shapes.render(s, SIZE) for s in scenes_]), rng, r)), captions, candidates)
+    batch = Batch(_to_model(augment(np.stack([shapes.render(s, SIZE) for s in scenes_]), rng, r)), captions, candidates,
+                  layout=layout_targets(scenes_) if r.layout_aux else None)
     if step < r.rank_start:
         return batch
     ranked = []
@@ -568,11 +606,13 @@ def _bradley_terry(r: torch.Tensor) -> tuple[torch.Tensor, float]:
     return torch.nn.functional.softplus(r[:, 1] - r[:, 0]).mean(), (r[:, 0] > r[:, 1]).float().mean().item()
 
 
-def loss(model, tok, batch: Batch, rank_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
+def loss(model, tok, batch: Batch, rank_weight: float = 1.0, head: torch.nn.Module | None = None,
+         layout_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
     """Cross-entropy of each image over its candidate captions (its own first) plus of each caption over
     its pair's two images; logits = exp(logit_scale) * cos, as the reward scores. With ranked samples,
     plus rank_weight * mean softplus(r(worse) - r(better)) (Bradley-Terry on the reward r of each pair); with
-    captioned samples, plus rank_weight * mean softplus(r(x, worse caption) - r(x, better caption))."""
+    captioned samples, plus rank_weight * mean softplus(r(x, worse caption) - r(x, better caption)); with
+    layout targets and a head, plus layout_weight * `layout_loss`."""
     texts = sorted({c for cs in batch.candidates for c in cs})
     index = {t: i for i, t in enumerate(texts)}
     img, txt = embed(model, tok, batch.pixels, texts)
@@ -592,6 +632,9 @@ def loss(model, tok, batch: Batch, rank_weight: float = 1.0) -> tuple[torch.Tens
     l_txt = torch.nn.functional.cross_entropy(pair_logits, zero)
     acc = (logits.argmax(1) == 0).float().mean().item()
     total, info = l_img + l_txt, {}
+    if batch.layout is not None and head is not None:
+        l_layout = layout_loss(head, img, batch.layout)
+        total, info["layout_loss"] = total + layout_weight * l_layout, l_layout.item()
     if batch.ranked is not None:
         # the better sample of each pair above the worse for their prompt
         ranked, cap_txt = embed(model, tok, batch.ranked, batch.ranked_captions)
@@ -657,7 +700,9 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
     # 1. The model, or where the last run stopped (the same recipe only).
     model, processor = build(r.arch, r.seed)
     tok = processor.tokenizer
-    opt = torch.optim.AdamW(model.parameters(), lr=r.lr, weight_decay=r.weight_decay)
+    head = layout_head(r.arch) if r.layout_aux else None  # built after the model: the model's init stays the same
+    params = list(model.parameters()) + (list(head.parameters()) if head is not None else [])
+    opt = torch.optim.AdamW(params, lr=r.lr, weight_decay=r.weight_decay)
     step, history = 0, []
     if state_path.is_file():
         st = torch.load(state_path, weights_only=False)
@@ -666,6 +711,8 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
             differ = ", ".join(f"{k} {saved[k]} (now {mine[k]})" for k in mine if saved[k] != mine[k])
             raise InputError(f"{out} holds a run of another recipe: {differ}", "pass the same options, or a new --out")
         model.load_state_dict(st["model"])
+        if head is not None:
+            head.load_state_dict(st["layout_head"])
         opt.load_state_dict(st["optimizer"])
         step, history = st["step"], st["history"]
     if step >= r.steps and model_dir.is_dir():
@@ -675,7 +722,7 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
     def checkpoint() -> None:
         tmp = state_path.with_name(state_path.name + ".tmp")
         torch.save({"recipe": asdict(r), "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                    "history": history}, tmp)
+                    "history": history, **({"layout_head": head.state_dict()} if head is not None else {})}, tmp)
         os.replace(tmp, state_path)
 
     # 2. The sample bank (drawn once; its minutes count towards --max-minutes).
@@ -712,10 +759,10 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
             batch = data.get(step)
             for g in opt.param_groups:
                 g["lr"] = lr_at(r, step)
-            value, info = loss(model, tok, batch, r.rank_weight)
+            value, info = loss(model, tok, batch, r.rank_weight, head, r.layout_aux)
             opt.zero_grad(set_to_none=True)
             value.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
             smooth = info if smooth is None else {k: 0.98 * smooth.get(k, v) + 0.02 * v for k, v in info.items()}
@@ -745,14 +792,16 @@ def pairwise_accuracy(score, split: str = "test", per_task: int = 200, seed: int
     """How often the matching caption scores above a one-detail-wrong caption, per GenEval task, on fresh
     rendered scenes of `split`'s prompts (negatives from both splits, each checked false for the scene).
     score(images: list[PIL.Image], prompts: list[str]) -> list[float] (a reward). blur: Gaussian sigma
-    applied to every render (0: crisp). Returns {"overall": mean of the tasks, task: accuracy}."""
+    applied to every render (0: crisp). Returns {"overall": mean of the tasks, task: accuracy, "relation": the
+    position scenes against their relation flipped (left of <-> right of, above <-> below; same shapes), which
+    a model blind to where things are gets right half of the time, however well it tells the shapes apart}."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
     acc = {}
     for tag in shapes.TAGS:
         cands = _prompts(tag, split)
-        images, own, wrong = [], [], []
+        images, own, wrong, flipped = [], [], [], []
         for i in range(per_task):
             meta = cands[i % len(cands)]
             scene = shapes.scene_for(meta, rng)
@@ -766,6 +815,11 @@ def pairwise_accuracy(score, split: str = "test", per_task: int = 200, seed: int
             images.append(Image.fromarray(a))
             own.append(meta["prompt"])
             wrong.append(neg[0])
+            if tag == "position":  # the scene satisfies its relation, so never the opposite one
+                p = _parts(meta)
+                flipped.append(shapes.metadata(tag, p["a"], p["b"], relation=OPPOSITE[p["relation"]])["prompt"])
         s_own, s_wrong = np.asarray(score(images, own)), np.asarray(score(images, wrong))
         acc[tag] = float(np.mean(s_own > s_wrong))
-    return {"overall": float(np.mean(list(acc.values()))), **acc}
+        if flipped:
+            relation = float(np.mean(s_own > np.asarray(score(images, flipped))))
+    return {"overall": float(np.mean(list(acc.values()))), **acc, "relation": relation}
