@@ -228,6 +228,34 @@ def test_the_flipped_relation_column_needs_a_judge_that_sees_where_things_are():
     assert all(turned[t] == seeing[t] for t in ("single_object", "counting", "colors")), (seeing, turned)
 
 
+def test_layout_targets_say_where_each_shape_is_and_the_head_is_not_saved(tmp_path, capfd):
+    """layout_targets: presence and mean centre in [-1, 1] per shape class, mirrored with the scene. With
+    --layout-aux the head trains beside the model and resumes from state.pt, and the saved model is the
+    same plain CLIPModel as without it; another weight is another recipe."""
+    from transformers import CLIPModel
+
+    meta = shapes.metadata("position", "circle", "square", relation="left of")
+    scene = shapes.Scene([shapes.Obj("square", "red", 48, 32, 10), shapes.Obj("circle", "blue", 16, 8, 10),
+                          shapes.Obj("circle", "blue", 16, 24, 10)], meta["prompt"], meta)
+    mirror = dataclasses.replace(scene, objects=[dataclasses.replace(o, x=scene.size - o.x) for o in scene.objects])
+    t = preference.layout_targets([scene, mirror])
+    k = {s: shapes.SHAPES.index(s) for s in ("circle", "square", "triangle")}
+    assert t[0, k["circle"]].tolist() == [1.0, -0.5, -0.5] and t[0, k["square"]].tolist() == [1.0, 0.5, 0.0]
+    assert t[0, k["triangle"]].tolist() == [0.0, 0.0, 0.0]
+    assert torch.equal(t[1, :, 1], -t[0, :, 1]) and torch.equal(t[1, :, 2], t[0, :, 2])
+
+    argv = ["pretrain-shapes-reward", "--out", tmp_path, "--steps", "2", "--workers", "0", "--sample-pairs", "0"]
+    assert cli(*argv, "--layout-aux", "1") == 0
+    state = torch.load(tmp_path / "state.pt", weights_only=False)
+    assert state["step"] == 2 and state["recipe"]["layout_aux"] == 1.0
+    assert state["layout_head"]["weight"].shape == (3 * len(shapes.SHAPES), preference.Arch().projection)
+    saved = CLIPModel.from_pretrained(tmp_path / "model")
+    assert set(saved.state_dict()) == set(preference.build()[0].state_dict())
+    capfd.readouterr()
+    assert cli(*argv, "--layout-aux", "0.5") == 2 and "layout_aux 1.0 (now 0.5)" in " ".join(capfd.readouterr().err.split())
+    assert cli(*argv, "--layout-aux", "-1") == 2
+
+
 def test_truth_score_is_the_dense_score_of_what_a_scene_holds():
     rng = np.random.default_rng(1)
     meta = shapes.metadata("color_attr", "circle", "square", colour="red", colour_b="blue")

@@ -25,7 +25,8 @@ judged, not only crisp renders. From step `rank_start` a Bradley-Terry term also
 generator's own samples of one prompt by their dense score (`sample_pairs`, the sample bank) and, in
 probes the shipped model does not use (`bench/shapes/reward/`), rendered near misses of a prompt
 (`graded_pairs`, `graded_by`) and the two captions of a bank sample that the shapes detector's verdict on
-it tells apart (`caption_pairs`).
+it tells apart (`caption_pairs`); and a training-only head that regresses where each shape class is from the
+image embedding (`layout_aux`).
 
 Quality is measured on **test-split** prompts (`pairwise_accuracy`, `bench/shapes/reward/`): the
 matching caption against a one-detail-wrong caption, per GenEval task.
@@ -119,10 +120,10 @@ class Recipe:
     task_weights: tuple[float, ...] | None = None
     # Weight of a training-only objective: a linear head on the image embedding regresses, for every shape class,
     # whether the rendered scene holds it and where its centre is (`layout_targets`); the head is thrown away, the
-    # saved model stays a plain CLIPModel. Without it the relations stay at chance: contrastive training makes the
-    # image embedding blind to where things are before any relation is learned, and a relation then has no gradient
-    # (the image side of "left of" against "right of" is zero, so the text side's is too; `bench/shapes/reward/`).
-    # 0: none (the shipped model).
+    # saved model stays a plain CLIPModel. Why: a relation starts with no gradient. At initialisation a scene and its
+    # mirror embed alike, so "left of" and "right of" get no push apart, and so neither do the two images; the head
+    # makes the image embedding say where things are (`bench/shapes/relation_saddle.py`). In the full recipe it
+    # left the flipped relation at chance within 2500 steps (`bench/shapes/reward/layout/`). 0: none (the shipped model).
     layout_aux: float = 0.0
     arch: Arch = field(default_factory=Arch)
 
