@@ -328,6 +328,29 @@ def test_caption_pairs_rank_a_samples_captions_by_what_the_detector_sees(tmp_pat
         dataclasses.replace(r, caption_pairs=-1).validate()
 
 
+def test_a_bank_with_nothing_to_rank_is_refused_not_skipped(tmp_path):
+    """Blank samples of one prompt, all scored alike: neither ranking term has a pair, so asking for one is an
+    error naming the option (silently dropping the term would train a different model than asked). The
+    error keeps its fix line when it crosses back from a batch-making process."""
+    import pickle
+
+    from tpkit.errors import InputError
+
+    meta = shapes.split_prompts("two_object", "train")[0]
+    path = tmp_path / preference.BANK
+    np.savez(path, images=np.full((2, preference.SIZE, preference.SIZE, 3), 255, np.uint8),
+             prompts=np.array([meta["prompt"]] * 2), dense=np.array([0.0, 0.0]), correct=np.array([False, False]),
+             settings=np.array("test"))
+    r = preference.Recipe(pairs=2, negatives=2, sample_pairs=2, caption_pairs=0, rank_start=0)
+    with pytest.raises(InputError, match="--sample-pairs has nothing to rank"):
+        preference.batch_for(r, 0, str(path))
+    with pytest.raises(InputError, match="--caption-pairs has nothing to rank"):
+        preference.batch_for(dataclasses.replace(r, sample_pairs=0, caption_pairs=2), 0, str(path))
+    assert preference.batch_for(dataclasses.replace(r, sample_pairs=0), 0, str(path)).ranked is None
+    crossed = pickle.loads(pickle.dumps(InputError("a bank", "a fix")))
+    assert type(crossed) is InputError and str(crossed) == "a bank\n  fix: a fix"
+
+
 shipped = pytest.mark.skipif(not (preference.weights_dir() / "model.safetensors").is_file(),
                              reason="tiny-shapes-pickscore is not in this checkout")
 

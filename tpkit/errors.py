@@ -17,6 +17,10 @@ class TpkitError(Exception):
     def __str__(self) -> str:
         return self.message if not self.fix else f"{self.message}\n  fix: {self.fix}"
 
+    def __reduce__(self):
+        # Raised in a worker process, it crosses back pickled: keep the fix line (Exception pickles args only).
+        return type(self), (self.message, self.fix)
+
 
 class ConfigError(TpkitError):
     """A bad option, recipe key or value."""

@@ -569,11 +569,18 @@ def make_batch(rng: np.random.Generator, r: Recipe, split: str = "train", bank: 
         return batch
     ranked = []
     b = _bank(bank) if bank is not None else None
-    if r.caption_pairs and b is not None and (verdicts := _caption_verdicts(bank)):
+    # a term asked for but with nothing to rank would drop out silently: the run would learn less than it says
+    if r.caption_pairs and b is not None:
+        if not (verdicts := _caption_verdicts(bank)):
+            raise InputError(f"{bank}: the detector finds every sample's captions alike; --caption-pairs has nothing to rank",
+                             "pass --caption-pairs 0, or draw a new bank (a new --out)")
         idx, batch.caption_pairs = _caption_pairs(rng, verdicts, r.caption_pairs)
         batch.captioned = _to_model(b["images"][idx] / 255.0)  # as they are: the verdict is on these pixels
     # the generator's samples as they are: what the reward judges in RL
-    if r.sample_pairs and b is not None and b["groups"]:
+    if r.sample_pairs and b is not None:
+        if not b["groups"]:
+            raise InputError(f"{bank}: no prompt's samples differ in dense score; --sample-pairs has nothing to rank",
+                             "pass --sample-pairs 0, or more --samples-per-prompt (a new --out)")
         order, caps = _ranked_pairs(rng, b, r.sample_pairs)
         ranked.append(b["images"][order] / 255.0)
         batch.ranked_captions += caps
