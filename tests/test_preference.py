@@ -89,6 +89,40 @@ def test_task_weights_set_the_mix_of_scene_pairs():
     assert cli("pretrain-shapes-reward", "--out", "unused", "--task-weight", "position=-1") == 2
 
 
+def test_mirror_pairs_partner_a_position_scene_with_its_mirror_under_the_flipped_relation():
+    """--mirror-pairs 1: a position pair is a scene and the same objects reflected across the relation's
+    axis, captioned with the opposite relation (each caption true of its own scene only, and first among the
+    other's negatives); pairs of other tasks are drawn as before; a share outside [0, 1] is refused."""
+    rng, checked = np.random.default_rng(0), 0
+    for meta in shapes.split_prompts("position", "train")[:12]:
+        pair = preference._mirrored_pair(rng, meta, "train", 2)
+        if pair is None:  # the flipped prompt is a test one, or the mirror breaks a scene rule
+            continue
+        checked += 1
+        (sp, sq), (cp, cq), (kp, kq) = pair
+        axis = "x" if preference._parts(meta)["relation"] in ("left of", "right of") else "y"
+        assert cq == shapes.metadata("position", **{**preference._parts(meta), "relation": preference.OPPOSITE[
+            preference._parts(meta)["relation"]]})["prompt"] and kp[:2] == [cp, cq] and kq[:2] == [cq, cp]
+        for o, m in zip(sp.objects, sq.objects):
+            assert (m.shape, m.colour, m.size) == (o.shape, o.colour, o.size)
+            assert (m.x, m.y) == ((shapes.CANVAS - o.x, o.y) if axis == "x" else (o.x, shapes.CANVAS - o.y))
+        assert shapes.satisfied(meta, sp.objects) and shapes.satisfied(sq.metadata, sq.objects)
+        assert not shapes.satisfied(meta, sq.objects) and not shapes.satisfied(sq.metadata, sp.objects)
+    assert checked >= 8
+    only = tuple(1.0 if t == "position" else 0.0 for t in shapes.TAGS)
+    batch = preference.batch_for(preference.Recipe(pairs=6, negatives=2, task_weights=only, mirror_pairs=1.0), 3)
+    flipped = [shapes.metadata("position", **{**preference._parts(m), "relation": preference.OPPOSITE[
+        preference._parts(m)["relation"]]})["prompt"] for m in map(_meta_of, batch.captions[::2])]
+    assert sum(f == c for f, c in zip(flipped, batch.captions[1::2])) >= 4  # unless the flipped prompt is a test one
+    assert preference.batch_for(preference.Recipe(pairs=3, negatives=2, mirror_pairs=0.0), 5).captions == \
+        preference.batch_for(preference.Recipe(pairs=3, negatives=2), 5).captions
+    assert cli("pretrain-shapes-reward", "--out", "unused", "--mirror-pairs", "1.5") == 2
+
+
+def _meta_of(prompt: str) -> dict:
+    return next(m for tag in shapes.TAGS for m in shapes.split_prompts(tag) if m["prompt"] == prompt)
+
+
 def test_the_word_tokenizer_tells_relations_apart():
     _, processor = preference.build()
     tok = processor.tokenizer
@@ -237,7 +271,7 @@ def test_layout_targets_say_where_each_shape_is_and_the_head_is_not_saved(tmp_pa
     meta = shapes.metadata("position", "circle", "square", relation="left of")
     scene = shapes.Scene([shapes.Obj("square", "red", 48, 32, 10), shapes.Obj("circle", "blue", 16, 8, 10),
                           shapes.Obj("circle", "blue", 16, 24, 10)], meta["prompt"], meta)
-    mirror = dataclasses.replace(scene, objects=[dataclasses.replace(o, x=scene.size - o.x) for o in scene.objects])
+    mirror = shapes.mirrored(scene, meta, "x")
     t = preference.layout_targets([scene, mirror])
     k = {s: shapes.SHAPES.index(s) for s in ("circle", "square", "triangle")}
     assert t[0, k["circle"]].tolist() == [1.0, -0.5, -0.5] and t[0, k["square"]].tolist() == [1.0, 0.5, 0.0]
@@ -248,7 +282,7 @@ def test_layout_targets_say_where_each_shape_is_and_the_head_is_not_saved(tmp_pa
     assert cli(*argv, "--layout-aux", "1") == 0
     state = torch.load(tmp_path / "state.pt", weights_only=False)
     assert state["step"] == 2 and state["recipe"]["layout_aux"] == 1.0
-    assert state["layout_head"]["weight"].shape == (3 * len(shapes.SHAPES), preference.Arch().projection)
+    assert state["layout_head"]["1.weight"].shape == (3 * len(shapes.SHAPES), preference.Arch().projection)
     saved = CLIPModel.from_pretrained(tmp_path / "model")
     assert set(saved.state_dict()) == set(preference.build()[0].state_dict())
     capfd.readouterr()

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Sequence
 
@@ -273,6 +273,16 @@ def edited_scene(meta: dict, rng: np.random.Generator, edits: int, size: int = C
         if objects is not None:
             return Scene(objects=objects, prompt=meta["prompt"], metadata=_copy(meta), size=size)
     raise ValueError(f"could not place an edited scene for {meta.get('prompt')!r}")
+
+
+def mirrored(scene: Scene, meta: dict, axis: str) -> Scene:
+    """`scene` reflected across the canvas's vertical centre line (axis "x": left and right swap) or its
+    horizontal one ("y": above and below swap), captioned `meta`. Each shape keeps its orientation (a
+    triangle still points up), so "y" places the same objects upside down rather than flipping the image."""
+    if axis not in ("x", "y"):
+        raise ValueError(f"axis {axis!r} is not x or y")
+    objects = [replace(o, x=CANVAS - o.x) if axis == "x" else replace(o, y=CANVAS - o.y) for o in scene.objects]
+    return Scene(objects=objects, prompt=meta["prompt"], metadata=_copy(meta), size=scene.size)
 
 
 def _pick(rng: np.random.Generator, options: Sequence[str]) -> str:
