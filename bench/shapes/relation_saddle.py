@@ -5,8 +5,8 @@
 
 A fresh model (the shipped architecture and seed) sees only mirrored pairs: a scene for "a photo of a X left
 of a Y" (X, Y from three shape pairs) and the same scene mirrored, captioned "... X right of a Y". The loss is
-the pretraining's, restricted to the pair: each image over its caption and the flipped one, each caption over
-the two images. Nothing but where the shapes are tells the two apart. Printed every 25 steps: the loss
+the pretraining's own (`preference.loss`) on batches of such pairs: each image over its caption and the flipped
+one, each caption over the two images. Nothing but where the shapes are tells the two apart. Printed every 25 steps: the loss
 (2 ln 2 = 1.386 at chance), the image's accuracy, and the cosine between the two images' embeddings and
 between the two captions' embeddings. Then the same with the layout head of `layout_aux` (weight 1). Writes
 OUT/results.json and OUT/RESULTS.md.
@@ -15,7 +15,6 @@ OUT/results.json and OUT/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -29,47 +28,44 @@ from tpkit.shapes import scenes as shapes
 PAIRS = (("circle", "square"), ("triangle", "circle"), ("square", "triangle"))
 
 
-def mirrored_batch(rng: np.random.Generator, n: int):
-    """n pairs: (scene, mirror) images [2n, 3, S, S], their captions [2n], their scenes [2n]."""
+def mirrored_batch(rng: np.random.Generator, n: int, layout: bool) -> preference.Batch:
+    """n pairs (images 2i and 2i + 1: a scene and its mirror), each image's candidates its own caption and the
+    flipped one; the layout targets when `layout`."""
     images, captions, scenes_ = [], [], []
     for _ in range(n):
         a, b = PAIRS[int(rng.integers(len(PAIRS)))]
         relation = ("left of", "right of")[int(rng.integers(2))]
         scene = shapes.scene_for(shapes.metadata("position", a, b, relation=relation), rng)
-        mirror = dataclasses.replace(scene, objects=[dataclasses.replace(o, x=scene.size - o.x) for o in scene.objects])
+        mirror = shapes.mirrored(scene, shapes.metadata("position", a, b, relation=preference.OPPOSITE[relation]), "x")
         images += [shapes.render(scene, preference.SIZE), shapes.render(mirror, preference.SIZE)]
-        captions += [shapes.metadata("position", a, b, relation=r)["prompt"]
-                     for r in (relation, preference.OPPOSITE[relation])]
+        captions += [scene.prompt, mirror.prompt]
         scenes_ += [scene, mirror]
-    return preference._to_model(np.stack(images) / 255.0), captions, scenes_
+    candidates = [[c, captions[i ^ 1]] for i, c in enumerate(captions)]  # the pair's other caption: the flipped one
+    return preference.Batch(preference._to_model(np.stack(images) / 255.0), captions, candidates,
+                            layout=preference.layout_targets(scenes_) if layout else None)
 
 
 def run(steps: int, pairs: int, layout_aux: float, seed: int = 0) -> list[dict]:
+    """The pretraining's own loss (`preference.loss`) on mirrored batches only."""
     model, processor = preference.build(seed=seed)
     head = preference.layout_head(preference.Arch()) if layout_aux else None
     params = list(model.parameters()) + (list(head.parameters()) if head is not None else [])
     opt = torch.optim.AdamW(params, lr=preference.Recipe.lr, weight_decay=preference.Recipe.weight_decay)
     rng, log = np.random.default_rng(seed), []
     for step in range(steps + 1):
-        pixels, captions, scenes_ = mirrored_batch(rng, pairs)
-        img, txt = preference.embed(model, processor.tokenizer, pixels, captions)
-        own = torch.arange(len(captions))
-        other = own ^ 1  # the pair's other image, and its caption
-        scale = model.logit_scale.exp()
-        zero = torch.zeros(len(captions), dtype=torch.long)
-        by_image = scale * torch.stack([(img * txt).sum(-1), (img * txt[other]).sum(-1)], 1)
-        by_caption = scale * torch.stack([(img * txt).sum(-1), (img[other] * txt).sum(-1)], 1)
-        value = torch.nn.functional.cross_entropy(by_image, zero) + torch.nn.functional.cross_entropy(by_caption, zero)
-        total = value
-        if head is not None:
-            total = total + layout_aux * preference.layout_loss(head, img, preference.layout_targets(scenes_))
+        batch = mirrored_batch(rng, pairs, layout=head is not None)
+        if step % 25 == 0:
+            with torch.no_grad():  # the embeddings the loss below sees, before this step's update
+                img, txt = preference.embed(model, processor.tokenizer, batch.pixels, batch.captions)
+        total, info = preference.loss(model, processor.tokenizer, batch, head=head, layout_weight=layout_aux)
         opt.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 25 == 0:
-            row = {"step": step, "loss": round(value.item(), 4),
-                   "accuracy": round((by_image.argmax(1) == 0).float().mean().item(), 3),
+            other = torch.arange(len(batch.captions)) ^ 1
+            row = {"step": step, "loss": round(info["loss"] - layout_aux * info.get("layout_loss", 0.0), 4),
+                   "accuracy": round(info["caption_acc"], 3),
                    "cos_images": round((img * img[other]).sum(-1).mean().item(), 5),
                    "cos_captions": round((txt * txt[other]).sum(-1).mean().item(), 5)}
             log.append(row)
