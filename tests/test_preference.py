@@ -101,8 +101,7 @@ def test_mirror_pairs_partner_a_position_scene_with_its_mirror_under_the_flipped
         checked += 1
         (sp, sq), (cp, cq), (kp, kq) = pair
         axis = "x" if preference._parts(meta)["relation"] in ("left of", "right of") else "y"
-        assert cq == shapes.metadata("position", **{**preference._parts(meta), "relation": preference.OPPOSITE[
-            preference._parts(meta)["relation"]]})["prompt"] and kp[:2] == [cp, cq] and kq[:2] == [cq, cp]
+        assert cq == preference.flipped_relation(meta)["prompt"] and kp[:2] == [cp, cq] and kq[:2] == [cq, cp]
         for o, m in zip(sp.objects, sq.objects):
             assert (m.shape, m.colour, m.size) == (o.shape, o.colour, o.size)
             assert (m.x, m.y) == ((shapes.CANVAS - o.x, o.y) if axis == "x" else (o.x, shapes.CANVAS - o.y))
@@ -111,8 +110,7 @@ def test_mirror_pairs_partner_a_position_scene_with_its_mirror_under_the_flipped
     assert checked >= 8
     only = tuple(1.0 if t == "position" else 0.0 for t in shapes.TAGS)
     batch = preference.batch_for(preference.Recipe(pairs=6, negatives=2, task_weights=only, mirror_pairs=1.0), 3)
-    flipped = [shapes.metadata("position", **{**preference._parts(m), "relation": preference.OPPOSITE[
-        preference._parts(m)["relation"]]})["prompt"] for m in map(_meta_of, batch.captions[::2])]
+    flipped = [preference.flipped_relation(_meta_of(c))["prompt"] for c in batch.captions[::2]]
     assert sum(f == c for f, c in zip(flipped, batch.captions[1::2])) >= 4  # unless the flipped prompt is a test one
     assert preference.batch_for(preference.Recipe(pairs=3, negatives=2, mirror_pairs=0.0), 5).captions == \
         preference.batch_for(preference.Recipe(pairs=3, negatives=2), 5).captions

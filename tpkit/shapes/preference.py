@@ -486,15 +486,20 @@ def _pair(rng: np.random.Generator, split: str, n_neg: int, task_weights: tuple[
         return [sp, sq], [p["prompt"], q["prompt"]], [cand_p, cand_q]
 
 
+def flipped_relation(meta: dict) -> dict:
+    """A position prompt with its relation the opposite one, same shapes in the same order."""
+    p = _parts(meta)
+    return shapes.metadata("position", p["a"], p["b"], relation=OPPOSITE[p["relation"]])
+
+
 def _mirrored_pair(rng: np.random.Generator, p: dict, split: str, n_neg: int) -> tuple[list, list[str], list[list[str]]] | None:
     """A scene of position prompt P and the same scene mirrored across P's relation's axis, captioned Q, P's
     relation flipped (`_pair`'s return); None when Q is not of the split or the mirror breaks a scene rule."""
-    parts = _parts(p)
-    q = shapes.metadata("position", parts["a"], parts["b"], relation=OPPOSITE[parts["relation"]])
+    q = flipped_relation(p)
     if not _in_split(q, split):
         return None
     sp = shapes.scene_for(p, rng)
-    sq = shapes.mirrored(sp, q, "x" if parts["relation"] in ("left of", "right of") else "y")
+    sq = shapes.mirrored(sp, q, "x" if _parts(p)["relation"] in ("left of", "right of") else "y")
     if not (shapes.valid_layout(sq.objects) and shapes.satisfied(q, sq.objects) and not shapes.satisfied(p, sq.objects)):
         return None  # "y" keeps triangles pointing up, so what covers what can change
     cand_p = [p["prompt"]] + negatives(p, sp, rng, n_neg, split, first=[q])
@@ -857,8 +862,7 @@ def pairwise_accuracy(score, split: str = "test", per_task: int = 200, seed: int
             own.append(meta["prompt"])
             wrong.append(neg[0])
             if tag == "position":  # the scene satisfies its relation, so never the opposite one
-                p = _parts(meta)
-                flipped.append(shapes.metadata(tag, p["a"], p["b"], relation=OPPOSITE[p["relation"]])["prompt"])
+                flipped.append(flipped_relation(meta)["prompt"])
         s_own, s_wrong = np.asarray(score(images, own)), np.asarray(score(images, wrong))
         acc[tag] = float(np.mean(s_own > s_wrong))
         if flipped:
