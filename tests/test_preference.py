@@ -188,6 +188,11 @@ def test_the_sample_bank_ranks_the_generators_own_samples_of_train_prompts(tmp_p
             assert bank["dense"][better] > bank["dense"][worse]
         value, info = preference.loss(*(lambda m, p: (m, p.tokenizer))(*preference.build()), batch)
         assert torch.isfinite(value) and 0 <= info["rank_acc"] <= 1
+        # --bank-shift: the same pairs (the move is drawn after them), each image its bank image moved
+        moved = preference.batch_for(dataclasses.replace(r, bank_shift=2), 0, str(path)).ranked
+        moved = ((moved.permute(0, 2, 3, 1) * 0.5 + 0.5) * 255).round().to(torch.uint8).numpy()
+        assert all(any(np.array_equal(np.roll(im, (dy, dx), (0, 1)), m) for dy in range(-2, 3) for dx in range(-2, 3))
+                   for im, m in zip(images, moved))
         assert preference.batch_for(dataclasses.replace(r, rank_start=1), 0, str(path)).ranked is None  # not yet
 
     # through train(): the bank is drawn once (all 223 train prompts: one ODE step keeps it quick)
@@ -200,6 +205,28 @@ def test_the_sample_bank_ranks_the_generators_own_samples_of_train_prompts(tmp_p
     with pytest.raises(InputError, match="another recipe"):
         preference.train(tmp_path / "run", dataclasses.replace(small, samples_per_prompt=3), progress=False, workers=0)
     assert (tmp_path / "run" / preference.BANK).stat().st_mtime_ns == drawn
+
+
+def test_translate_moves_a_drawing_by_whole_pixels_and_never_off_the_canvas():
+    """--bank-shift's move: the same drawing, shifted by at most `most` px each way (several shifts drawn), never
+    across an edge it touches (a roll would wrap it round to the other side); an empty canvas and most = 0 stay."""
+    from tpkit.errors import InputError
+
+    a = np.full((preference.SIZE, preference.SIZE, 3), 255, np.uint8)
+    a[54:, :10] = (20, 60, 220)  # a block in the bottom-left corner: it can only go up and right
+    a[20:30, 30:40] = (220, 20, 20)
+    blank = np.full_like(a, 255)
+    rng = np.random.default_rng(0)
+    moved = preference.translate(np.stack([a] * 40 + [blank]), rng, 3)
+    shifts = set()
+    for m in moved[:40]:
+        found = [(dy, dx) for dy in range(-3, 4) for dx in range(-3, 4) if np.array_equal(np.roll(a, (dy, dx), (0, 1)), m)]
+        assert len(found) == 1 and found[0][0] <= 0 <= found[0][1], found
+        shifts.add(found[0])
+    assert len(shifts) >= 6 and np.array_equal(moved[40], blank)
+    assert preference.translate(moved, rng, 0) is moved
+    with pytest.raises(InputError, match="--bank-shift"):
+        preference.Recipe(bank_shift=-1).validate()
 
 
 @pytest.mark.parametrize("tag", shapes.TAGS)
@@ -257,7 +284,18 @@ def test_the_flipped_relation_column_needs_a_judge_that_sees_where_things_are():
 
     seeing, turned = (preference.pairwise_accuracy(judged(turn), "test", per_task=16) for turn in (False, True))
     assert seeing["relation"] >= 0.9 and turned["relation"] <= 0.1, (seeing, turned)
+    assert seeing["relation_flipped_train"] >= 0.9 and seeing["relation_flipped_test"] >= 0.9, seeing
     assert all(turned[t] == seeing[t] for t in ("single_object", "counting", "colors")), (seeing, turned)
+
+    # a memoriser: it knows whether a caption it trained on is true and nothing of the others (all alike), so it
+    # tells a test scene from its mirror only where the mirror's caption is a train prompt
+    train = {m["prompt"] for m in preference.train_prompts()}
+
+    def memoriser(images, prompts):
+        judged = detectors.detect_and_judge(images, [meta[p] for p in prompts], detector, colours)
+        return [float(j.correct) if p in train else 0.5 for j, p in zip(judged, prompts)]
+    memorised = preference.pairwise_accuracy(memoriser, "test", per_task=16)
+    assert memorised["relation_flipped_train"] == 1.0 and memorised["relation_flipped_test"] == 0.0, memorised
 
 
 def test_layout_targets_say_where_each_shape_is_and_the_head_is_not_saved(tmp_path, capfd):
@@ -286,6 +324,18 @@ def test_layout_targets_say_where_each_shape_is_and_the_head_is_not_saved(tmp_pa
     capfd.readouterr()
     assert cli(*argv, "--layout-aux", "0.5") == 2 and "layout_aux 1.0 (now 0.5)" in " ".join(capfd.readouterr().err.split())
     assert cli(*argv, "--layout-aux", "-1") == 2
+
+    # a state whose head had another shape (before it read the standardised embedding: a bare Linear), or a
+    # file that is no state at all: refused by name, the file kept as it was
+    old = {k.removeprefix("1."): v for k, v in state["layout_head"].items()}
+    torch.save({**state, "layout_head": old}, tmp_path / "state.pt")
+    capfd.readouterr()
+    assert cli(*argv, "--layout-aux", "1") == 2
+    err = " ".join(capfd.readouterr().err.split())
+    assert "state.pt cannot be resumed: written by another version" in err and "Traceback" not in err, err
+    assert set(torch.load(tmp_path / "state.pt", weights_only=False)["layout_head"]) == set(old)
+    (tmp_path / "state.pt").write_bytes(b"not a checkpoint")
+    assert cli(*argv, "--layout-aux", "1") == 2 and "not a training state" in " ".join(capfd.readouterr().err.split())
 
 
 def test_truth_score_is_the_dense_score_of_what_a_scene_holds():

@@ -11,7 +11,10 @@ Everything goes through the `pickscore` reward exactly as `tpkit score --reward 
    class, a colour, the count, the relation, the colour binding), checked false for the scene by
    GenEval's judge on its true boxes. Beside the tasks, the position scenes against their relation
    flipped (same shapes): most of position's one-detail-wrong captions change a shape, so its column
-   can be well above chance for a model that does not see where things are; this one cannot.
+   can be well above chance for a model that does not see where things are; this one cannot. It is
+   split by whether the flipped caption is a train prompt (the model contrasted it with this one's
+   arrangement, on other scenes) or a test one (it never read either): a model that learned each
+   trained caption's arrangement, and not the relation, is right only on the first.
 2. `tiny-shapes` samples (ODE with CFG; `--samples` per test prompt), with the eval sampler's 40 steps
    and with the rollout's 10 (the images the reward judges during RL); and half as many of every train
    prompt at 40 steps, from other noise than the training bank's (its captions seen, its images not):
@@ -68,7 +71,10 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def on_samples(score, per_prompt: int, steps: int = 40, seed: int = 0, split: str = "test") -> dict:
+def draw_samples(score, per_prompt: int, steps: int = 40, seed: int = 0, split: str = "test") -> list[dict]:
+    """`per_prompt` tiny-shapes samples of every prompt of `split` (ODE with CFG, noise seeded by `seed`), each
+    judged: rows {tag, prompt, meta, image, detections, correct, dense (GenEval's dense score), reward, wrong (a
+    one-detail-wrong prompt its detections make false, or None)}."""
     metas = [m for tag in shapes.TAGS for m in shapes.split_prompts(tag, split)]
     m = shapes_model.models.load(SHAPES_MODEL, device="cpu")
     detector, _ = detectors.load_models("shapes")
@@ -86,37 +92,51 @@ def on_samples(score, per_prompt: int, steps: int = 40, seed: int = 0, split: st
             j = judge(meta, d)
             wrong = [w for w in preference.one_detail_wrong(meta) if not judge(w, d).correct]
             w = wrong[int(rng.integers(len(wrong)))] if wrong else None
-            rows.append({"tag": meta["tag"], "prompt": meta["prompt"], "correct": j.correct, "dense": j.score,
-                         "reward": s, "image": im, "wrong": w["prompt"] if w else None})
+            rows.append({"tag": meta["tag"], "prompt": meta["prompt"], "meta": meta, "image": im, "detections": d,
+                         "correct": j.correct, "dense": j.score, "reward": s, "wrong": w["prompt"] if w else None})
+    return rows
+
+
+def within_prompt(rows: list[dict], a: str, b: str) -> tuple[float | None, int]:
+    """Spearman's rho of fields a and b within each prompt, averaged over the prompts where it is defined
+    (both sides vary), and how many those are."""
+    rhos = []
+    for p in {r["prompt"] for r in rows}:
+        rs = [r for r in rows if r["prompt"] == p]
+        rho = spearman([r[a] for r in rs], [r[b] for r in rs])
+        if np.isfinite(rho):
+            rhos.append(rho)
+    return (float(np.mean(rhos)) if rhos else None), len(rhos)
+
+
+def on_samples(score, per_prompt: int, steps: int = 40, seed: int = 0, split: str = "test") -> dict:
+    rows = draw_samples(score, per_prompt, steps, seed, split)
     pairs = [r for r in rows if r["correct"] and r["wrong"]]
     wrong_scores = score([r["image"] for r in pairs], [r["wrong"] for r in pairs])
     acc: dict[str, list] = {}
     for r, ws in zip(pairs, wrong_scores):
         acc.setdefault(r["tag"], []).append(r["reward"] > ws)
-    within = []
-    for p in {r["prompt"] for r in rows}:
-        rs = [r for r in rows if r["prompt"] == p]
-        rho = spearman([r["reward"] for r in rs], [r["dense"] for r in rs])
-        if np.isfinite(rho):
-            within.append(rho)
+    within, spread = within_prompt(rows, "reward", "dense")
     per_task = {t: float(np.mean(v)) for t, v in acc.items()}
     return {"samples": len(rows), "judged_correct": len(pairs),
             "pairwise": {"overall": float(np.mean(list(per_task.values()))), **per_task},
             "pairwise_n": {t: len(v) for t, v in acc.items()},
             "spearman_dense": spearman([r["reward"] for r in rows], [r["dense"] for r in rows]),
-            "spearman_dense_within_prompt": float(np.mean(within)) if within else None,
+            "spearman_dense_within_prompt": within,
             "spearman_dense_by_task": {t: spearman([r["reward"] for r in rows if r["tag"] == t],
                                                    [r["dense"] for r in rows if r["tag"] == t]) for t in shapes.TAGS},
             "samples_by_task": {t: sum(r["tag"] == t for r in rows) for t in shapes.TAGS},
-            "prompts_with_spread": len(within)}
+            "prompts_with_spread": spread}
 
 
 def table(title: str, accs: dict[str, dict]) -> str:
-    cols = ["overall", *shapes.TAGS] + (["relation"] if any("relation" in a for a in accs.values()) else [])
-    head = [c if c != "relation" else "position, relation flipped" for c in cols]
+    relation = {"relation": "position, relation flipped", "relation_flipped_train": "... the flipped caption a train prompt",
+                "relation_flipped_test": "... a test prompt"}
+    cols = ["overall", *shapes.TAGS] + [c for c in relation if any(c in a for a in accs.values())]
+    head = [relation.get(c, c) for c in cols]
     lines = [f"**{title}**", "", "| | " + " | ".join(head) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, a in accs.items():
-        lines.append(f"| {name} | " + " | ".join(f"{a[c]:.3f}" if c in a else "-" for c in cols) + " |")
+        lines.append(f"| {name} | " + " | ".join(f"{a[c]:.3f}" if a.get(c) is not None else "-" for c in cols) + " |")
     return "\n".join(lines)
 
 

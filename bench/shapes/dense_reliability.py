@@ -1,0 +1,118 @@
+"""How reliable is GenEval's dense score on `tiny-shapes` samples, the criterion the preference model is held to?
+
+    python bench/shapes/dense_reliability.py [--model tiny-shapes-pickscore] [--samples 4] [--steps 40]
+                                             [--out bench/shapes/reward/reliability]
+
+The samples of `reward_quality.py` (every test prompt, `--samples` each, noise seed 0), then each changed
+in ways no one would call a different picture: moved 1 px right, blurred (Gaussian sigma 0.5 px), pixel
+noise (std 2 of 255). Each changed image is detected and judged again, and scored by the reward again.
+Per change: how many samples' dense score (and correct/incorrect verdict) moves, and the Spearman
+correlation of the dense score with itself across the change (its test-retest reliability), over all
+samples and within a prompt; beside it the reward's own test-retest correlation and the reward's
+correlation with the dense score. Then, per task, the mean reward at each dense score of the unchanged
+samples. A criterion that correlates only r with itself under such changes
+bounds what any judge of the picture can reach against it (about sqrt(r) for a judge that reads the
+picture perfectly, if the changes are a fair model of the detector's noise).
+
+Writes OUT/results.json and OUT/RESULTS.md and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from tpkit.geneval import detectors
+from tpkit.geneval.judge import judge
+from tpkit.models.names import SHAPES_PICKSCORE
+from tpkit.shapes import scenes as shapes
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reward_quality import draw_samples, reward, spearman, within_prompt  # noqa: E402
+
+
+def shifted(a: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One pixel to the right, the left column repeated (the background)."""
+    return np.concatenate([a[:, :1], a[:, :-1]], axis=1)
+
+
+def blurred(a: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    return np.clip(shapes.blur(a, 0.5), 0, 255).round().astype(np.uint8)
+
+
+def noisy(a: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    return np.clip(a + rng.normal(0, 2.0, a.shape), 0, 255).round().astype(np.uint8)
+
+
+CHANGES = {"moved 1 px": shifted, "blurred 0.5 px": blurred, "noise std 2/255": noisy}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=SHAPES_PICKSCORE, help="CLIP preference model (built-in name or folder).")
+    ap.add_argument("--samples", type=int, default=4, help="tiny-shapes samples per test prompt.")
+    ap.add_argument("--steps", type=int, default=40, help="ODE steps (40: the eval sampler's, as reward_quality's headline).")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "reward" / "reliability")
+    a = ap.parse_args()
+    t0 = time.time()
+    score = reward(a.model)
+    rows = draw_samples(score, a.samples, a.steps)
+    detector, _ = detectors.load_models("shapes")
+    rng = np.random.default_rng(0)
+    base_within, spread = within_prompt(rows, "reward", "dense")
+    result = {"model": a.model, "samples": len(rows), "steps": a.steps,
+              "reward_vs_dense": {"all": spearman([r["reward"] for r in rows], [r["dense"] for r in rows]),
+                                  "within_prompt": base_within, "prompts": spread},
+              "changes": {}}
+    for name, change in CHANGES.items():
+        images = [Image.fromarray(change(np.asarray(r["image"]), rng)) for r in rows]
+        dets = detector(images)
+        rewards = score(images, [r["prompt"] for r in rows])
+        changed = [{**r, "dense2": judge(r["meta"], d).score, "correct2": judge(r["meta"], d).correct, "reward2": s}
+                   for r, d, s in zip(rows, dets, rewards)]
+        dense_within, dense_prompts = within_prompt(changed, "dense", "dense2")
+        reward_within, _ = within_prompt(changed, "reward", "reward2")
+        result["changes"][name] = {
+            "dense_moved": float(np.mean([c["dense"] != c["dense2"] for c in changed])),
+            "verdict_flipped": float(np.mean([c["correct"] != c["correct2"] for c in changed])),
+            "dense_retest": spearman([c["dense"] for c in changed], [c["dense2"] for c in changed]),
+            "dense_retest_within_prompt": dense_within, "dense_retest_prompts": dense_prompts,
+            "reward_retest": spearman([c["reward"] for c in changed], [c["reward2"] for c in changed]),
+            "reward_retest_within_prompt": reward_within,
+            "reward_vs_changed_dense": spearman([c["reward"] for c in changed], [c["dense2"] for c in changed]),
+        }
+    # what the reward pays for each grade of a task's samples: partial credit is most of the dense score's ranks
+    result["reward_by_dense"] = {t: {f"{d:g}": {"n": int(sum(r["dense"] == d for r in rs)),
+                                                "reward": float(np.mean([r["reward"] for r in rs if r["dense"] == d]))}
+                                     for d in sorted({r["dense"] for r in rs})}
+                                 for t in shapes.TAGS if (rs := [r for r in rows if r["tag"] == t])}
+    result["seconds"] = round(time.time() - t0, 1)
+    b = result["reward_vs_dense"]
+    md = ["# GenEval's dense score on tiny-shapes samples: how much it moves when the picture does not\n",
+          f"`python bench/shapes/dense_reliability.py --model {a.model} --samples {a.samples} --steps {a.steps}` "
+          f"({result['seconds']} s): {len(rows)} samples of the test prompts, {a.steps} ODE steps. The reward against "
+          f"the dense score: Spearman {b['all']:.3f} over all, {b['within_prompt']:.3f} within a prompt "
+          f"(mean over {b['prompts']} prompts whose samples differ).\n",
+          "| change | dense score moved | verdict flipped | dense vs itself | ... within a prompt | reward vs itself "
+          "| ... within a prompt | reward vs changed dense |", "|---|---|---|---|---|---|---|---|"]
+    for name, c in result["changes"].items():
+        md.append(f"| {name} | {c['dense_moved']:.1%} | {c['verdict_flipped']:.1%} | {c['dense_retest']:.3f} | "
+                  f"{c['dense_retest_within_prompt']:.3f} ({c['dense_retest_prompts']}) | {c['reward_retest']:.3f} | "
+                  f"{c['reward_retest_within_prompt']:.3f} | {c['reward_vs_changed_dense']:.3f} |")
+    md += ["", "Mean reward of the samples at each dense score (how many in brackets):", ""]
+    md += [f"- {t}: " + ", ".join(f"{d}: {v['reward']:.2f} ({v['n']})" for d, v in levels.items())
+           for t, levels in result["reward_by_dense"].items()]
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    (a.out / "RESULTS.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
