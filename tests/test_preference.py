@@ -378,11 +378,13 @@ def test_graded_pairs_join_the_ranking_term_and_old_runs_still_resume(tmp_path):
         preference.train(tmp_path, r, progress=False, workers=0)
 
 
-def test_caption_pairs_rank_a_samples_captions_by_what_the_detector_sees(tmp_path):
+def test_caption_pairs_rank_a_samples_captions_by_what_the_detector_sees(tmp_path, monkeypatch):
     """Each bank sample's caption pairs put the caption the detector's verdict on it scores higher first: a
     scene of its own prompt above every one-detail-wrong caption, a scene of a wrong prompt filed under the
-    right one (a sample that drew the wrong thing) with that wrong caption above its own."""
+    right one (a sample that drew the wrong thing) with that wrong caption above its own. The verdicts are
+    detected once and kept beside the bank, for that bank's pixels only."""
     from tpkit.errors import InputError
+    from tpkit.geneval import detectors
 
     rng = np.random.default_rng(0)
     meta = shapes.split_prompts("two_object", "train")[0]
@@ -395,6 +397,19 @@ def test_caption_pairs_rank_a_samples_captions_by_what_the_detector_sees(tmp_pat
     own = [(better, worse) for i, better, worse in entries if i == 0]
     assert own and all(better == meta["prompt"] for better, _ in own)
     assert (1, wrong["prompt"], meta["prompt"]) in entries
+    verdicts = preference._caption_verdicts(str(path))
+    preference._caption_verdicts.cache_clear()  # another process: it reads them, the detector unused
+    with monkeypatch.context() as m:
+        m.setattr(detectors, "load_models", lambda *a, **k: pytest.fail("the bank was detected again"))
+        assert preference._caption_verdicts(str(path)) == verdicts
+    swapped = dict(np.load(path))  # another bank at the same path (the samples swapped): detected afresh
+    np.savez(path, **{**swapped, "images": swapped["images"][::-1]})
+    preference._bank.cache_clear()
+    preference._caption_verdicts.cache_clear()
+    assert (0, wrong["prompt"], meta["prompt"]) in preference._caption_verdicts(str(path))["two_object"]
+    np.savez(path, **swapped)
+    preference._bank.cache_clear()
+    preference._caption_verdicts.cache_clear()
 
     r = preference.Recipe(pairs=2, negatives=2, sample_pairs=0, caption_pairs=3, rank_start=0)
     batch = preference.batch_for(r, 0, str(path))

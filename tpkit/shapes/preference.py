@@ -35,6 +35,7 @@ matching caption against a one-detail-wrong caption, per GenEval task.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import time
@@ -296,6 +297,7 @@ class Batch:
 # --------------------------------------------------------------------------------------------
 
 BANK = "samples.npz"  # in the run folder, beside state.pt
+VERDICTS = "samples.verdicts.npz"  # beside the bank: `_caption_verdicts`, detected once
 
 
 def train_prompts() -> list[dict]:
@@ -385,13 +387,24 @@ def _ranked_pairs(rng: np.random.Generator, bank: dict, n: int) -> tuple[np.ndar
 def _caption_verdicts(path: str) -> dict[str, list[tuple[int, str, str]]]:
     """Per task, (sample, better caption, worse caption) for every bank sample and every one-detail-wrong
     train prompt of its own whose dense score on the sample's detections (the shapes detector, GenEval's
-    judge) differs from its own prompt's. Detected once per process (about 8 ms an image)."""
+    judge) differs from its own prompt's. Refused (InputError) when there are none. Detected once a bank
+    (about 8 ms an image: minutes for a large one) and kept beside it (VERDICTS, keyed by the bank's
+    pixels), so that the processes making batches and a resumed run read them instead."""
+    bank = _bank(path)
+    key = hashlib.sha1(bank["images"].tobytes()).hexdigest()
+    cache = Path(path).with_name(VERDICTS)
+    if cache.is_file():
+        with np.load(cache) as z:
+            if str(z["bank"]) == key:
+                out: dict[str, list[tuple[int, str, str]]] = {}
+                for tag, i, better, worse in zip(z["tags"], z["index"], z["better"], z["worse"]):
+                    out.setdefault(str(tag), []).append((int(i), str(better), str(worse)))
+                return _refuse_empty(out, path)
     from PIL import Image
 
-    bank = _bank(path)
     detector, _ = detectors.load_models("shapes")
     meta_of = {m["prompt"]: m for m in train_prompts()}
-    out: dict[str, list[tuple[int, str, str]]] = {}
+    out = {}
     for start in range(0, len(bank["images"]), 256):
         found = detector([Image.fromarray(a) for a in bank["images"][start: start + 256]])
         for i, dets in enumerate(found, start):
@@ -402,7 +415,21 @@ def _caption_verdicts(path: str) -> dict[str, list[tuple[int, str, str]]]:
                 if _in_split(w, "train") and (other := judge(w, dets).score) != own:
                     pair = (meta["prompt"], w["prompt"]) if own > other else (w["prompt"], meta["prompt"])
                     out.setdefault(meta["tag"], []).append((i, *pair))
-    return out
+    rows = [(tag, *entry) for tag, entries in out.items() for entry in entries]
+    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp.npz")  # two processes may detect at once: each its own
+    np.savez_compressed(tmp, bank=np.array(key), tags=np.array([t for t, *_ in rows], dtype=str),
+                        index=np.array([i for _, i, _, _ in rows], dtype=np.int64),
+                        better=np.array([b for *_, b, _ in rows], dtype=str), worse=np.array([w for *_, w in rows], dtype=str))
+    os.replace(tmp, cache)
+    return _refuse_empty(out, path)
+
+
+def _refuse_empty(verdicts: dict, bank: str) -> dict:
+    """A term asked for but with nothing to rank would drop out silently: the run would learn less than it says."""
+    if not verdicts:
+        raise InputError(f"{bank}: the detector finds every sample's captions alike; --caption-pairs has nothing to rank",
+                         "pass --caption-pairs 0, or draw a new bank (a new --out)")
+    return verdicts
 
 
 def _caption_pairs(rng: np.random.Generator, verdicts: dict[str, list[tuple[int, str, str]]],
@@ -632,16 +659,12 @@ def make_batch(rng: np.random.Generator, r: Recipe, split: str = "train", bank: 
         return batch
     ranked = []
     b = _bank(bank) if bank is not None else None
-    # a term asked for but with nothing to rank would drop out silently: the run would learn less than it says
     if r.caption_pairs and b is not None:
-        if not (verdicts := _caption_verdicts(bank)):
-            raise InputError(f"{bank}: the detector finds every sample's captions alike; --caption-pairs has nothing to rank",
-                             "pass --caption-pairs 0, or draw a new bank (a new --out)")
-        idx, batch.caption_pairs = _caption_pairs(rng, verdicts, r.caption_pairs)
+        idx, batch.caption_pairs = _caption_pairs(rng, _caption_verdicts(bank), r.caption_pairs)
         # as they are but for a move: the verdict is on these pixels (and a move changes the dense score of under 1 %)
         batch.captioned = _to_model(translate(b["images"][idx], rng, r.bank_shift) / 255.0)
     # the generator's samples as they are: what the reward judges in RL
-    if r.sample_pairs and b is not None:
+    if r.sample_pairs and b is not None:  # as with the verdicts, an empty term is refused, not dropped
         if not b["groups"]:
             raise InputError(f"{bank}: no prompt's samples differ in dense score; --sample-pairs has nothing to rank",
                              "pass --sample-pairs 0, or more --samples-per-prompt (a new --out)")
@@ -819,6 +842,9 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
         if not bank_path.is_file():
             sample_bank(bank_path, r, progress=progress)
         bank = str(bank_path)
+        if r.caption_pairs:  # here, once, and not in a worker at step rank_start with the progress bar stalled
+            console.print(f"detecting the bank's samples for --caption-pairs (once: kept in {VERDICTS})")
+            _caption_verdicts(bank)
 
     # 3. Steps, checkpointed every few minutes and when stopped.
     last = time.monotonic()
