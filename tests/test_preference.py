@@ -188,11 +188,6 @@ def test_the_sample_bank_ranks_the_generators_own_samples_of_train_prompts(tmp_p
             assert bank["dense"][better] > bank["dense"][worse]
         value, info = preference.loss(*(lambda m, p: (m, p.tokenizer))(*preference.build()), batch)
         assert torch.isfinite(value) and 0 <= info["rank_acc"] <= 1
-        # --bank-shift: the same pairs (the move is drawn after them), each image its bank image moved
-        moved = preference.batch_for(dataclasses.replace(r, bank_shift=2), 0, str(path)).ranked
-        moved = ((moved.permute(0, 2, 3, 1) * 0.5 + 0.5) * 255).round().to(torch.uint8).numpy()
-        assert all(any(np.array_equal(np.roll(im, (dy, dx), (0, 1)), m) for dy in range(-2, 3) for dx in range(-2, 3))
-                   for im, m in zip(images, moved))
         assert preference.batch_for(dataclasses.replace(r, rank_start=1), 0, str(path)).ranked is None  # not yet
 
     # through train(): the bank is drawn once (all 223 train prompts: one ODE step keeps it quick)
@@ -207,26 +202,47 @@ def test_the_sample_bank_ranks_the_generators_own_samples_of_train_prompts(tmp_p
     assert (tmp_path / "run" / preference.BANK).stat().st_mtime_ns == drawn
 
 
-def test_translate_moves_a_drawing_by_whole_pixels_and_never_off_the_canvas():
-    """--bank-shift's move: the same drawing, shifted by at most `most` px each way (several shifts drawn), never
-    across an edge it touches (a roll would wrap it round to the other side); an empty canvas and most = 0 stay."""
-    from tpkit.errors import InputError
-
+def test_pixel_shifts_move_a_drawing_by_whole_pixels_and_never_off_the_canvas():
+    """shift_consistency's moves: never (0, 0) where there is room, at most `most` px each way, several drawn,
+    never across an edge the drawing touches (a roll would wrap it round to the other side); none for an empty
+    canvas."""
     a = np.full((preference.SIZE, preference.SIZE, 3), 255, np.uint8)
     a[54:, :10] = (20, 60, 220)  # a block in the bottom-left corner: it can only go up and right
     a[20:30, 30:40] = (220, 20, 20)
     blank = np.full_like(a, 255)
-    rng = np.random.default_rng(0)
-    moved = preference.translate(np.stack([a] * 40 + [blank]), rng, 3)
-    shifts = set()
-    for m in moved[:40]:
-        found = [(dy, dx) for dy in range(-3, 4) for dx in range(-3, 4) if np.array_equal(np.roll(a, (dy, dx), (0, 1)), m)]
-        assert len(found) == 1 and found[0][0] <= 0 <= found[0][1], found
-        shifts.add(found[0])
-    assert len(shifts) >= 6 and np.array_equal(moved[40], blank)
-    assert preference.translate(moved, rng, 0) is moved
-    with pytest.raises(InputError, match="--bank-shift"):
-        preference.Recipe(bank_shift=-1).validate()
+    moves = preference.pixel_shifts(np.stack([a] * 40 + [blank]), np.random.default_rng(0), 3)
+    assert all(-3 <= dy <= 0 <= dx <= 3 and (dy, dx) != (0, 0) for dy, dx in moves[:40]), moves
+    assert len({tuple(m) for m in moves[:40]}) >= 6 and tuple(moves[40]) == (0, 0)
+    rolled = np.roll(a, tuple(moves[0]), (0, 1))
+    assert (rolled < 245).any(-1).sum() == (a < 245).any(-1).sum() and not (rolled[:, :1] < 245).any()
+
+
+def test_shift_consistency_moves_the_first_renders_and_holds_their_reward(tmp_path):
+    """With shift_consistency the batch holds its first CONSISTENT_IMAGES augmented renders again, each moved by
+    whole pixels; the loss adds the squared reward gap of their own captions (zero only for a model that does not
+    see the move). Without it the batch is the shipped recipe's."""
+    from tpkit.errors import InputError
+
+    r = preference.Recipe(pairs=10, negatives=2, sample_pairs=0)
+    plain = preference.batch_for(r, 0)
+    batch = preference.batch_for(dataclasses.replace(r, shift_consistency=1.0), 0)
+    assert plain.moved is None and torch.equal(plain.pixels, batch.pixels) and plain.candidates == batch.candidates
+    k = preference.CONSISTENT_IMAGES
+    assert batch.moved.shape == (k, 3, preference.SIZE, preference.SIZE)
+    most = preference.SHIFT_MOST
+    for i in range(k):
+        rolls = [(dy, dx) for dy in range(-most, most + 1) for dx in range(-most, most + 1)
+                 if torch.equal(torch.roll(batch.pixels[i], (dy, dx), (1, 2)), batch.moved[i])]
+        assert rolls and (0, 0) not in rolls, i
+    model, processor = preference.build()
+    base, _ = preference.loss(model, processor.tokenizer, batch)
+    value, info = preference.loss(model, processor.tokenizer, batch, shift_weight=2.0)
+    # the term is 2 * mean(gap^2), at least 2 * mean(|gap|)^2
+    assert info["shift_gap"] > 0 and (value - base).item() >= 2.0 * info["shift_gap"] ** 2 * (1 - 1e-4)
+    with pytest.raises(InputError, match="shift_consistency"):
+        preference.Recipe(shift_consistency=-1.0).validate()
+    preference.train(tmp_path, dataclasses.replace(r, steps=1, warmup=1, shift_consistency=1.0), progress=False, workers=0)
+    assert torch.load(tmp_path / "state.pt", weights_only=False)["history"] == [] and (tmp_path / "model").is_dir()
 
 
 @pytest.mark.parametrize("tag", shapes.TAGS)

@@ -506,8 +506,8 @@ def pretrain_shapes_reward(
                                                "shape class is from the image embedding (0: none)."),
     mirror_pairs: Optional[float] = typer.Option(None, help="Share of position pairs whose partner is the same scene "
                                                  "mirrored, captioned with the relation flipped (0: none)."),
-    bank_shift: Optional[int] = typer.Option(None, help="Move the sample bank's images by up to this many pixels "
-                                             "each way, their drawing kept on the canvas (0: as drawn)."),
+    shift_consistency: Optional[float] = typer.Option(None, help="Weight of a training-only term: a render moved by "
+                                                      "a few pixels keeps the reward it had (0: none)."),
 ) -> None:
     """Pretrain `tiny-shapes-pickscore`, the testbed's CLIP preference model, on train-split prompts (fixed seed;
     resumable: rerun the same command)."""
@@ -517,7 +517,8 @@ def pretrain_shapes_reward(
     recipe = preference.Recipe()
     for name, value in (("steps", steps), ("sample_pairs", sample_pairs), ("samples_per_prompt", samples_per_prompt),
                         ("graded_pairs", graded_pairs), ("graded_by", graded_by), ("caption_pairs", caption_pairs),
-                        ("layout_aux", layout_aux), ("mirror_pairs", mirror_pairs), ("bank_shift", bank_shift)):
+                        ("layout_aux", layout_aux), ("mirror_pairs", mirror_pairs),
+                        ("shift_consistency", shift_consistency)):
         if value is not None:
             setattr(recipe, name, value)
     if task_weight:
