@@ -9,8 +9,8 @@ noise (std 2 of 255). Each changed image is detected and judged again, and score
 Per change: how many samples' dense score (and correct/incorrect verdict) moves, and the Spearman
 correlation of the dense score with itself across the change (its test-retest reliability), over all
 samples and within a prompt; beside it the reward's own test-retest correlation and the reward's
-correlation with the dense score. Then, per task, the mean reward at each dense score of the unchanged
-samples. A criterion that correlates only r with itself under such changes
+correlation with the dense score. Then the reward's agreement with itself on fresh renders moved by 1 px
+(no image the model trained on), and per task the mean reward at each dense score of the unchanged samples. A criterion that correlates only r with itself under such changes
 bounds what any judge of the picture can reach against it (about sqrt(r) for a judge that reads the
 picture perfectly, if the changes are a fair model of the detector's noise).
 
@@ -31,6 +31,7 @@ from PIL import Image
 from tpkit.geneval import detectors
 from tpkit.geneval.judge import judge
 from tpkit.models.names import SHAPES_PICKSCORE
+from tpkit.shapes import preference
 from tpkit.shapes import scenes as shapes
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -51,6 +52,27 @@ def noisy(a: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 CHANGES = {"moved 1 px": shifted, "blurred 0.5 px": blurred, "noise std 2/255": noisy}
+
+
+def renders_moved(score, per_prompt: int, seed: int = 0) -> dict:
+    """The reward's own agreement under a 1 px move on fresh renders (`per_prompt` scenes of every test prompt,
+    blurred by 1 px like samples), where no training image was ever seen: is the shift noise the model's, or
+    its memory of the bank's images at one offset?"""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for meta in (m for tag in shapes.TAGS for m in shapes.split_prompts(tag, "test")):
+        for _ in range(per_prompt):
+            a = np.clip(shapes.blur(shapes.render(shapes.scene_for(meta, rng), preference.SIZE), 1.0), 0, 255)
+            rows.append({"prompt": meta["prompt"], "image": a.round().astype(np.uint8)})
+    caps = [r["prompt"] for r in rows]
+    for key, images in (("reward", [r["image"] for r in rows]), ("reward2", [shifted(r["image"], rng) for r in rows])):
+        for r, s in zip(rows, score([Image.fromarray(a) for a in images], caps)):
+            r[key] = s
+    within, _ = within_prompt(rows, "reward", "reward2")
+    spread = np.mean([np.std([r["reward"] for r in rows if r["prompt"] == p]) for p in set(caps)])
+    return {"renders": len(rows), "mean_change": float(np.mean([abs(r["reward"] - r["reward2"]) for r in rows])),
+            "spread_within_prompt": float(spread), "reward_retest_within_prompt": within,
+            "reward_retest": spearman([r["reward"] for r in rows], [r["reward2"] for r in rows])}
 
 
 def main() -> None:
@@ -87,6 +109,7 @@ def main() -> None:
             "reward_retest_within_prompt": reward_within,
             "reward_vs_changed_dense": spearman([c["reward"] for c in changed], [c["dense2"] for c in changed]),
         }
+    result["renders_moved"] = renders_moved(score, a.samples)
     # what the reward pays for each grade of a task's samples: partial credit is most of the dense score's ranks
     result["reward_by_dense"] = {t: {f"{d:g}": {"n": int(sum(r["dense"] == d for r in rs)),
                                                 "reward": float(np.mean([r["reward"] for r in rs if r["dense"] == d]))}
@@ -105,6 +128,11 @@ def main() -> None:
         md.append(f"| {name} | {c['dense_moved']:.1%} | {c['verdict_flipped']:.1%} | {c['dense_retest']:.3f} | "
                   f"{c['dense_retest_within_prompt']:.3f} ({c['dense_retest_prompts']}) | {c['reward_retest']:.3f} | "
                   f"{c['reward_retest_within_prompt']:.3f} | {c['reward_vs_changed_dense']:.3f} |")
+    m = result["renders_moved"]
+    md += ["", f"Fresh renders of the test prompts ({m['renders']}, blurred 1 px), moved by 1 px: the reward changes by "
+           f"{m['mean_change']:.3f} on average, where a prompt's renders spread by {m['spread_within_prompt']:.3f} (sd); "
+           f"its ranks agree with themselves at {m['reward_retest_within_prompt']:.3f} within a prompt, "
+           f"{m['reward_retest']:.3f} over all."]
     md += ["", "Mean reward of the samples at each dense score (how many in brackets):", ""]
     md += [f"- {t}: " + ", ".join(f"{d}: {v['reward']:.2f} ({v['n']})" for d, v in levels.items())
            for t, levels in result["reward_by_dense"].items()]
