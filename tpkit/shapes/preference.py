@@ -138,7 +138,9 @@ class Recipe:
     # (squared difference of exp(logit_scale) * cos, the scale held). Why: a ViT with 8 px patches sees a moved image
     # through another grid. Moved by one pixel, a blurred render's reward under the shipped model changes by 0.39 on
     # average (a prompt's renders spread by 0.53), and its ranks of a prompt's samples agree with themselves at only
-    # 0.72 (`bench/shapes/dense_reliability.py`), where GenEval's dense score agrees at 0.99. 0: none (the shipped model).
+    # 0.72 (`bench/shapes/dense_reliability.py`), where GenEval's dense score agrees at 0.99. At weight 1 it mends that
+    # (0.84) but costs rendered accuracy and leaves the correlation with the dense score as it was
+    # (`bench/shapes/reward/shift/`). 0: none (the shipped model).
     shift_consistency: float = 0.0
     arch: Arch = field(default_factory=Arch)
 
