@@ -20,7 +20,6 @@ Writes OUT/results.json and OUT/RESULTS.md and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from tpkit.shapes import preference
 from tpkit.shapes import scenes as shapes
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reward_quality import draw_samples, reward, spearman, within_prompt  # noqa: E402
+from reward_quality import draw_samples, reward, spearman, within_prompt, write_results  # noqa: E402
 
 
 def shifted(a: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -136,10 +135,7 @@ def main() -> None:
     md += ["", "Mean reward of the samples at each dense score (how many in brackets):", ""]
     md += [f"- {t}: " + ", ".join(f"{d}: {v['reward']:.2f} ({v['n']})" for d, v in levels.items())
            for t, levels in result["reward_by_dense"].items()]
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    (a.out / "RESULTS.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write_results(a.out, result, md)
 
 
 if __name__ == "__main__":

@@ -129,6 +129,14 @@ def on_samples(score, per_prompt: int, steps: int = 40, seed: int = 0, split: st
             "prompts_with_spread": spread}
 
 
+def write_results(out: Path, result: dict, md: list[str]) -> None:
+    """OUT/results.json and OUT/RESULTS.md (the lines of `md`), and the page printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "RESULTS.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
 def table(title: str, accs: dict[str, dict]) -> str:
     relation = {"relation": "position, relation flipped", "relation_flipped_train": "... the flipped caption a train prompt",
                 "relation_flipped_test": "... a test prompt"}
@@ -176,10 +184,7 @@ def main() -> None:
                       f"prompts whose samples differ) {s['spearman_dense_within_prompt']:.3f}; by task "
                       + ", ".join(f"{t} {s['spearman_dense_by_task'][t]:.3f} ({s['samples_by_task'][t]})" for t in shapes.TAGS)
                       + ".")
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    (a.out / "RESULTS.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write_results(a.out, result, md)
 
 
 if __name__ == "__main__":
