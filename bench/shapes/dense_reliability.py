@@ -34,7 +34,7 @@ from tpkit.shapes import preference
 from tpkit.shapes import scenes as shapes
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reward_quality import draw_samples, reward, spearman, within_prompt, write_results  # noqa: E402
+from reward_quality import draw_samples, num, reward, spearman, within_prompt, write_results  # noqa: E402
 
 
 def shifted(a: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -81,6 +81,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="ODE steps (40: the eval sampler's, as reward_quality's headline).")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "reward" / "reliability")
     a = ap.parse_args()
+    if a.samples < 2:
+        ap.error(f"--samples {a.samples}: a correlation within a prompt needs at least 2 samples of it")
     t0 = time.time()
     score = reward(a.model)
     rows = draw_samples(score, a.samples, a.steps)
@@ -95,8 +97,8 @@ def main() -> None:
         images = [Image.fromarray(change(np.asarray(r["image"]), rng)) for r in rows]
         dets = detector(images)
         rewards = score(images, [r["prompt"] for r in rows])
-        changed = [{**r, "dense2": judge(r["meta"], d).score, "correct2": judge(r["meta"], d).correct, "reward2": s}
-                   for r, d, s in zip(rows, dets, rewards)]
+        verdicts = [judge(r["meta"], d) for r, d in zip(rows, dets)]
+        changed = [{**r, "dense2": j.score, "correct2": j.correct, "reward2": s} for r, j, s in zip(rows, verdicts, rewards)]
         dense_within, dense_prompts = within_prompt(changed, "dense", "dense2")
         reward_within, _ = within_prompt(changed, "reward", "reward2")
         result["changes"][name] = {
@@ -119,18 +121,18 @@ def main() -> None:
     md = ["# GenEval's dense score on tiny-shapes samples: how much it moves when the picture does not\n",
           f"`python bench/shapes/dense_reliability.py --model {a.model} --samples {a.samples} --steps {a.steps}` "
           f"({result['seconds']} s): {len(rows)} samples of the test prompts, {a.steps} ODE steps. The reward against "
-          f"the dense score: Spearman {b['all']:.3f} over all, {b['within_prompt']:.3f} within a prompt "
+          f"the dense score: Spearman {b['all']:.3f} over all, {num(b['within_prompt'])} within a prompt "
           f"(mean over {b['prompts']} prompts whose samples differ).\n",
           "| change | dense score moved | verdict flipped | dense vs itself | ... within a prompt | reward vs itself "
           "| ... within a prompt | reward vs changed dense |", "|---|---|---|---|---|---|---|---|"]
     for name, c in result["changes"].items():
         md.append(f"| {name} | {c['dense_moved']:.1%} | {c['verdict_flipped']:.1%} | {c['dense_retest']:.3f} | "
-                  f"{c['dense_retest_within_prompt']:.3f} ({c['dense_retest_prompts']}) | {c['reward_retest']:.3f} | "
-                  f"{c['reward_retest_within_prompt']:.3f} | {c['reward_vs_changed_dense']:.3f} |")
+                  f"{num(c['dense_retest_within_prompt'])} ({c['dense_retest_prompts']}) | {c['reward_retest']:.3f} | "
+                  f"{num(c['reward_retest_within_prompt'])} | {c['reward_vs_changed_dense']:.3f} |")
     m = result["renders_moved"]
     md += ["", f"Fresh renders of the test prompts ({m['renders']}, blurred 1 px), moved by 1 px: the reward changes by "
            f"{m['mean_change']:.3f} on average, where a prompt's renders spread by {m['spread_within_prompt']:.3f} (sd); "
-           f"its ranks agree with themselves at {m['reward_retest_within_prompt']:.3f} within a prompt, "
+           f"its ranks agree with themselves at {num(m['reward_retest_within_prompt'])} within a prompt, "
            f"{m['reward_retest']:.3f} over all."]
     md += ["", "Mean reward of the samples at each dense score (how many in brackets):", ""]
     md += [f"- {t}: " + ", ".join(f"{d}: {v['reward']:.2f} ({v['n']})" for d, v in levels.items())

@@ -109,6 +109,11 @@ def within_prompt(rows: list[dict], a: str, b: str) -> tuple[float | None, int]:
     return (float(np.mean(rhos)) if rhos else None), len(rhos)
 
 
+def num(x: float | None) -> str:
+    """A within-prompt correlation, or "-" where no prompt's values vary on both sides (one sample a prompt)."""
+    return "-" if x is None else f"{x:.3f}"
+
+
 def on_samples(score, per_prompt: int, steps: int = 40, seed: int = 0, split: str = "test") -> dict:
     rows = draw_samples(score, per_prompt, steps, seed, split)
     pairs = [r for r in rows if r["correct"] and r["wrong"]]
@@ -181,7 +186,7 @@ def main() -> None:
         for name, s in named.items():
             md.append(f"- {name}: Spearman correlation with GenEval's dense score on all {s['samples']} "
                       f"samples **{s['spearman_dense']:.3f}**; within a prompt (mean over {s['prompts_with_spread']} "
-                      f"prompts whose samples differ) {s['spearman_dense_within_prompt']:.3f}; by task "
+                      f"prompts whose samples differ) {num(s['spearman_dense_within_prompt'])}; by task "
                       + ", ".join(f"{t} {s['spearman_dense_by_task'][t]:.3f} ({s['samples_by_task'][t]})" for t in shapes.TAGS)
                       + ".")
     write_results(a.out, result, md)

@@ -948,8 +948,9 @@ def pairwise_accuracy(score, split: str = "test", per_task: int = 200, seed: int
             own.append(meta["prompt"])
             wrong.append(neg[0])
             if tag == "position":  # the scene satisfies its relation, so never the opposite one
-                flipped.append(flipped_relation(meta)["prompt"])
-                flipped_trained.append(_in_split(flipped_relation(meta), "train"))
+                q = flipped_relation(meta)
+                flipped.append(q["prompt"])
+                flipped_trained.append(_in_split(q, "train"))
         s_own, s_wrong = np.asarray(score(images, own)), np.asarray(score(images, wrong))
         acc[tag] = float(np.mean(s_own > s_wrong))
         if flipped:
