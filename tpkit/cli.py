@@ -508,6 +508,10 @@ def pretrain_shapes_reward(
                                                  "mirrored, captioned with the relation flipped (0: none)."),
     shift_consistency: Optional[float] = typer.Option(None, help="Weight of a training-only term: a render moved by "
                                                       "a few pixels keeps the reward it had (0: none)."),
+    absolute_pairs: Optional[int] = typer.Option(None, help="Pairs of a batch that are one shape and its mirror, "
+                                                 "captioned where it is ('a photo of a circle on the left'; 0: none)."),
+    relation_start: Optional[int] = typer.Option(None, help="Position prompts from this step on (0: from the first): "
+                                                 "with --absolute-pairs, a curriculum from places to relations."),
 ) -> None:
     """Pretrain `tiny-shapes-pickscore`, the testbed's CLIP preference model, on train-split prompts (fixed seed;
     resumable: rerun the same command)."""
@@ -518,7 +522,8 @@ def pretrain_shapes_reward(
     for name, value in (("steps", steps), ("sample_pairs", sample_pairs), ("samples_per_prompt", samples_per_prompt),
                         ("graded_pairs", graded_pairs), ("graded_by", graded_by), ("caption_pairs", caption_pairs),
                         ("layout_aux", layout_aux), ("mirror_pairs", mirror_pairs),
-                        ("shift_consistency", shift_consistency)):
+                        ("shift_consistency", shift_consistency), ("absolute_pairs", absolute_pairs),
+                        ("relation_start", relation_start)):
         if value is not None:
             setattr(recipe, name, value)
     if task_weight:

@@ -66,6 +66,10 @@ MEAN, STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)  # pixels to [-1, 1]
 GRADED_BY = ("truth", "detector")
 CONSISTENT_IMAGES, SHIFT_MOST = 16, 4  # shift_consistency: images a batch moved, by up to this many px (half a patch)
 BLOB_BLUR, BLOB_GAIN = 3.0, 4.0  # "detector" grading: Gaussian blur sigma up to this, then contrast gain up to this
+# absolute_pairs: where a single shape is, per axis (first half, second half of the canvas); the words these add
+# to the prompts' vocabulary ("left" and "right" are in it)
+WHERE = {"x": ("on the left", "on the right"), "y": ("at the top", "at the bottom")}
+WHERE_WORDS = ("on", "at", "the", "top", "bottom")
 
 
 def weights_dir() -> Path:
@@ -142,17 +146,29 @@ class Recipe:
     # (0.84) but costs rendered accuracy and leaves the correlation with the dense score as it was
     # (`bench/shapes/reward/shift/`). 0: none (the shipped model).
     shift_consistency: float = 0.0
+    # A curriculum from absolute positions to relations. absolute_pairs of a batch's pairs are a single shape wholly
+    # in one half of the canvas, captioned where it is ("a photo of a circle on the left"; `_absolute_pair`), and the
+    # same scene mirrored ("... on the right"), for every shape, including those the test split's relations pair;
+    # position prompts are drawn only from step relation_start on. Why: a relation is learned only for the pairs of
+    # shapes it was contrasted on (`bench/shapes/reward/mirror/`); where each shape is, learned first and for every
+    # shape, may be what an unseen pair's relation is composed of. 0, 0: none (the shipped model).
+    absolute_pairs: int = 0
+    relation_start: int = 0
     arch: Arch = field(default_factory=Arch)
 
     def validate(self) -> "Recipe":
         """Every count and rate in range before any work; an InputError naming the option otherwise."""
         for name in ("steps", "pairs", "negatives", "warmup", "sample_pairs", "samples_per_prompt", "sample_steps", "rank_start",
-                     "graded_pairs", "caption_pairs"):
+                     "graded_pairs", "caption_pairs", "absolute_pairs", "relation_start"):
             value = getattr(self, name)
-            low = 0 if name in ("warmup", "sample_pairs", "rank_start", "graded_pairs", "caption_pairs") else 1
+            low = 0 if name in ("warmup", "sample_pairs", "rank_start", "graded_pairs", "caption_pairs", "absolute_pairs",
+                                "relation_start") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 flag = "--" + name.replace("_", "-")
                 raise InputError(f"{flag} {value!r} must be a whole number >= {low}", f"e.g. {flag} {getattr(Recipe, name)}")
+        if self.absolute_pairs > self.pairs:
+            raise InputError(f"--absolute-pairs {self.absolute_pairs} is more than the batch's {self.pairs} pairs",
+                             "e.g. --absolute-pairs 4")
         if self.sample_pairs and self.samples_per_prompt < 2:
             raise InputError(f"--samples-per-prompt {self.samples_per_prompt}: ranking samples of one prompt needs at least 2",
                              "e.g. --samples-per-prompt 8, or --sample-pairs 0 (rendered scenes only)")
@@ -177,12 +193,13 @@ class Recipe:
 # --------------------------------------------------------------------------------------------
 
 
-def build(arch: Arch | None = None, seed: int = 0):
-    """A randomly initialised (CLIPModel, CLIPProcessor), deterministic from `seed`."""
+def build(arch: Arch | None = None, seed: int = 0, words: tuple[str, ...] = ()):
+    """A randomly initialised (CLIPModel, CLIPProcessor), deterministic from `seed`; `words`: one token each beyond
+    the prompts' vocabulary (a larger vocabulary draws another initialisation)."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
     arch = arch or Arch()
-    tok = word_tokenizer(caption_words() + ["photo"], max_length=TEXT_POSITIONS)
+    tok = word_tokenizer(caption_words() + ["photo", *words], max_length=TEXT_POSITIONS)
     text = dict(vocab_size=len(tok), hidden_size=arch.width, intermediate_size=4 * arch.width,
                 num_hidden_layers=arch.text_layers, num_attention_heads=arch.heads,
                 max_position_embeddings=TEXT_POSITIONS, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -449,8 +466,13 @@ def _caption_pairs(rng: np.random.Generator, verdicts: dict[str, list[tuple[int,
     return np.asarray([i for i, _, _ in picks]), [(a, b) for _, a, b in picks]
 
 
-def _draw_prompt(rng: np.random.Generator, split: str, task_weights: tuple[float, ...] | None) -> dict:
-    """A prompt of the split: its task with the relative `task_weights` (None: alike), then uniformly."""
+def _draw_prompt(rng: np.random.Generator, split: str, task_weights: tuple[float, ...] | None,
+                 relations: bool = True) -> dict:
+    """A prompt of the split: its task with the relative `task_weights` (None: alike), then uniformly; no position
+    prompt unless `relations`."""
+    if not relations:
+        task_weights = tuple(0.0 if t == "position" else 1.0 for t in shapes.TAGS) if task_weights is None else \
+            tuple(0.0 if t == "position" else w for t, w in zip(shapes.TAGS, task_weights))
     if task_weights is None:  # its own draw, so that the shipped recipe's batches stay what they were
         tag = shapes.TAGS[int(rng.integers(len(shapes.TAGS)))]
     else:
@@ -504,12 +526,13 @@ def blobs(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def _pair(rng: np.random.Generator, split: str, n_neg: int, task_weights: tuple[float, ...] | None = None,
-          mirror: float = 0.0) -> tuple[list, list[str], list[list[str]]]:
+          mirror: float = 0.0, relations: bool = True) -> tuple[list, list[str], list[list[str]]]:
     """A train prompt P and a one-detail-wrong prompt N of the split, a scene for each that satisfies its
-    own prompt and not the other's; P's task drawn with the relative `task_weights` (None: alike). A position
-    P, with probability `mirror`: N is P's relation flipped and its scene P's mirrored (`_mirrored_pair`)."""
+    own prompt and not the other's; P's task drawn with the relative `task_weights` (None: alike; no position
+    prompt unless `relations`). A position P, with probability `mirror`: N is P's relation flipped and its scene
+    P's mirrored (`_mirrored_pair`)."""
     while True:
-        p = _draw_prompt(rng, split, task_weights)
+        p = _draw_prompt(rng, split, task_weights, relations)
         # the draw only when asked for: the shipped recipe's batches stay what they were
         if mirror and p["tag"] == "position" and rng.random() < mirror and (pair := _mirrored_pair(rng, p, split, n_neg)):
             return pair
@@ -544,6 +567,39 @@ def _mirrored_pair(rng: np.random.Generator, p: dict, split: str, n_neg: int) ->
     cand_p = [p["prompt"]] + negatives(p, sp, rng, n_neg, split, first=[q])
     cand_q = [q["prompt"]] + negatives(q, sq, rng, n_neg, split, first=[p])
     return [sp, sq], [p["prompt"], q["prompt"]], [cand_p, cand_q]
+
+
+def where_caption(shape: str, where: str) -> str:
+    """"a photo of a circle on the left": an absolute position (`WHERE`), not a GenEval prompt."""
+    return f"a photo of a {shape} {where}"
+
+
+def _absolute_pair(rng: np.random.Generator, split: str, n_neg: int) -> tuple[list, list[str], list[list[str]]]:
+    """A single shape (any, its colour random) wholly in the first half of the canvas along a random axis, captioned
+    where it is (`where_caption`), and the same scene mirrored into the other half, captioned so (`_pair`'s return).
+    Each image's candidates: its caption, the mirror's, the same place with every other shape, then `negatives` of
+    the single-object prompt (other shapes, prompts of the split false for it). Never a caption of the other axis:
+    a shape on the left may be at the top too."""
+    axis = "xy"[int(rng.integers(2))]
+    shape = shapes.SHAPES[int(rng.integers(len(shapes.SHAPES)))]
+    meta = shapes.metadata("single_object", shape)
+    k = 0 if axis == "x" else 1
+    while True:
+        scene = shapes.scene_for(meta, rng)
+        box = shapes.visible_boxes(scene.objects)[0]
+        if box[k + 2] <= SIZE / 2:
+            break
+        if box[k] >= SIZE / 2:
+            scene = shapes.mirrored(scene, meta, axis)
+            break
+    mirror = shapes.mirrored(scene, meta, axis)
+    captions = [where_caption(shape, w) for w in WHERE[axis]]
+    cands = []
+    for i, s in enumerate((scene, mirror)):
+        other_shapes = [where_caption(o, WHERE[axis][i]) for o in shapes.SHAPES if o != shape]
+        first = [captions[i], captions[1 - i]] + [other_shapes[j] for j in rng.permutation(len(other_shapes))]
+        cands.append(first[:1 + n_neg] + negatives(meta, s, rng, 1 + n_neg - len(first), split))
+    return [scene, mirror], captions, cands
 
 
 def layout_targets(scenes: list[shapes.Scene]) -> torch.Tensor:
@@ -654,8 +710,11 @@ def _to_model(pixels: np.ndarray) -> torch.Tensor:
 
 def make_batch(rng: np.random.Generator, r: Recipe, split: str = "train", bank: str | None = None, step: int = 0) -> Batch:
     scenes_, captions, candidates = [], [], []
-    for _ in range(r.pairs):
-        s, c, k = _pair(rng, split, r.negatives, r.task_weights, r.mirror_pairs)
+    for i in range(r.pairs):
+        if i < r.absolute_pairs:
+            s, c, k = _absolute_pair(rng, split, r.negatives)
+        else:
+            s, c, k = _pair(rng, split, r.negatives, r.task_weights, r.mirror_pairs, relations=step >= r.relation_start)
         scenes_ += s
         captions += c
         candidates += k
@@ -813,7 +872,7 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
     state_path, model_dir = out / "state.pt", out / "model"
 
     # 1. The model, or where the last run stopped (the same recipe only).
-    model, processor = build(r.arch, r.seed)
+    model, processor = build(r.arch, r.seed, WHERE_WORDS if r.absolute_pairs else ())
     tok = processor.tokenizer
     head = layout_head(r.arch) if r.layout_aux else None  # built after the model: the model's init stays the same
     params = list(model.parameters()) + (list(head.parameters()) if head is not None else [])
