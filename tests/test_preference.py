@@ -117,6 +117,49 @@ def test_mirror_pairs_partner_a_position_scene_with_its_mirror_under_the_flipped
     assert cli("pretrain-shapes-reward", "--out", "unused", "--mirror-pairs", "1.5") == 2
 
 
+def test_absolute_pairs_caption_one_shape_and_its_mirror_by_where_they_are():
+    """--absolute-pairs: a single shape wholly in the half of the canvas its caption names ("on the left", "at the
+    top", ...), its mirror wholly in the other half under the other caption; each image's candidates are its own
+    caption, the mirror's, the same place with each other shape, then captions false for it, all distinct and never
+    the other axis's (a shape on the left may be at the top too). Every word of them is one token of the
+    tokenizer built for it."""
+    rng, halves = np.random.default_rng(0), shapes.CANVAS / 2
+    holds = {"on the left": lambda b: b[2] <= halves, "on the right": lambda b: b[0] >= halves,
+             "at the top": lambda b: b[3] <= halves, "at the bottom": lambda b: b[1] >= halves}
+    for _ in range(40):
+        (scene, mirror), captions, candidates = preference._absolute_pair(rng, "train", 8)
+        (box,), (mbox,) = shapes.visible_boxes(scene.objects), shapes.visible_boxes(mirror.objects)
+        where, mwhere = (next(w for w in holds if c.endswith(w)) for c in captions)
+        assert holds[where](box) and holds[mwhere](mbox) and not holds[mwhere](box) and not holds[where](mbox)
+        assert (mirror.objects[0].shape, mirror.objects[0].colour) == (scene.objects[0].shape, scene.objects[0].colour)
+        other_axis = {"on the left", "on the right"} if where in ("at the top", "at the bottom") else {"at the top",
+                                                                                                        "at the bottom"}
+        for i, cands in enumerate(candidates):
+            assert cands[:2] == [captions[i], captions[1 - i]] and len(cands) == len(set(cands)) == 9
+            assert not any(c.endswith(w) for c in cands for w in other_axis)
+            own_place = [c for c in cands[2:] if c.startswith("a photo of a ") and c.endswith((where, mwhere)[i])]
+            assert len(own_place) == len(shapes.SHAPES) - 1
+    tok = preference.build(words=preference.WHERE_WORDS)[1].tokenizer
+    assert len(tok("a photo of a triangle at the bottom").input_ids) == 10  # bos, 8 words, eos
+
+
+def test_relation_start_holds_position_prompts_back_and_absolute_pairs_lead_the_batch():
+    """Before --relation-start no pair is of a position prompt, after it they are drawn again; the first
+    --absolute-pairs pairs of a batch are absolute ones; the defaults draw the shipped recipe's batches;
+    more absolute pairs than the batch holds is refused."""
+    only = tuple(1.0 if t in ("position", "colors") else 0.0 for t in shapes.TAGS)
+    r = preference.Recipe(pairs=8, negatives=2, sample_pairs=0, task_weights=only, absolute_pairs=2, relation_start=10)
+    early, late = preference.batch_for(r, 9), preference.batch_for(r, 10)
+    where = tuple(w for ws in preference.WHERE.values() for w in ws)
+    assert all(c.endswith(where) for c in early.captions[:4] + late.captions[:4])
+    assert all(_meta_of(c)["tag"] == "colors" for c in early.captions[4:])
+    assert sum(_meta_of(c)["tag"] == "position" for c in late.captions[4:]) >= 2
+    assert preference.batch_for(preference.Recipe(pairs=3, negatives=2, absolute_pairs=0, relation_start=0), 5).captions \
+        == preference.batch_for(preference.Recipe(pairs=3, negatives=2), 5).captions
+    assert cli("pretrain-shapes-reward", "--out", "unused", "--absolute-pairs", "40") == 2
+    assert cli("pretrain-shapes-reward", "--out", "unused", "--relation-start", "-1") == 2
+
+
 def _meta_of(prompt: str) -> dict:
     return next(m for tag in shapes.TAGS for m in shapes.split_prompts(tag) if m["prompt"] == prompt)
 
