@@ -143,6 +143,24 @@ def test_absolute_pairs_caption_one_shape_and_its_mirror_by_where_they_are():
     assert len(tok("a photo of a triangle at the bottom").input_ids) == 10  # bos, 8 words, eos
 
 
+def test_where_accuracy_needs_a_score_that_sees_where_the_shape_is():
+    """where_accuracy: a score that reads the drawing's centre from the pixels gets every axis right; one that
+    reads only the caption's words prefers the same one for a scene and its mirror, so gets half."""
+    def centre(image) -> tuple[float, float]:
+        ys, xs = np.nonzero((np.asarray(image) < 245).any(-1))
+        return xs.mean() / shapes.CANVAS, ys.mean() / shapes.CANVAS
+
+    sign = {"on the left": (-1, 0), "on the right": (1, 0), "at the top": (0, -1), "at the bottom": (0, 1)}
+
+    def seeing(images, prompts):
+        return [sum(s * (c - 0.5) for s, c in zip(next(v for w, v in sign.items() if p.endswith(w)), centre(im)))
+                for im, p in zip(images, prompts)]
+
+    assert preference.where_accuracy(seeing, per_axis=10) == {"x": 1.0, "y": 1.0}
+    assert preference.where_accuracy(lambda images, prompts: [len(p) for p in prompts], per_axis=10) == {"x": 0.5,
+                                                                                                           "y": 0.5}
+
+
 def test_relation_start_holds_position_prompts_back_and_absolute_pairs_lead_the_batch():
     """Before --relation-start no pair is of a position prompt, after it they are drawn again; the first
     --absolute-pairs pairs of a batch are absolute ones; the defaults draw the shipped recipe's batches;

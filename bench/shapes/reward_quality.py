@@ -159,6 +159,8 @@ def main() -> None:
     ap.add_argument("--per-task", type=int, default=200, help="Rendered scenes per GenEval task.")
     ap.add_argument("--samples", type=int, default=4, help="tiny-shapes samples per test prompt (0: skip).")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "reward")
+    ap.add_argument("--where", action="store_true", help="Also where a single shape is (a model pretrained with "
+                    "--absolute-pairs: its tokenizer has the words).")
     a = ap.parse_args()
     t0 = time.time()
     score = reward(a.model)
@@ -166,6 +168,8 @@ def main() -> None:
                 "blurred (sigma 1 px)": preference.pairwise_accuracy(score, "test", a.per_task, blur=1.0),
                 "train prompts, crisp": preference.pairwise_accuracy(score, "train", a.per_task)}
     result = {"model": a.model, "per_task": a.per_task, "rendered": rendered}
+    if a.where:
+        result["where"] = preference.where_accuracy(score, a.per_task)
     if a.samples:
         result["tiny_shapes_samples"] = {steps: on_samples(score, a.samples, steps) for steps in SAMPLE_STEPS}
         # train prompts, fresh samples (noise seed 1; the training bank's is 0): is a low correlation the
@@ -173,9 +177,12 @@ def main() -> None:
         result["train_prompt_samples"] = on_samples(score, max(1, a.samples // 2), 40, seed=1, split="train")
     result["seconds"] = round(time.time() - t0, 1)
     md = ["# tiny-shapes-pickscore: quality on held-out prompts\n",
-          f"`python bench/shapes/reward_quality.py --model {a.model} --per-task {a.per_task} --samples {a.samples}` "
-          f"({result['seconds']} s).\n",
+          f"`python bench/shapes/reward_quality.py --model {a.model} --per-task {a.per_task} --samples {a.samples}"
+          + " --where" * a.where + f"` ({result['seconds']} s).\n",
           table("Pairwise accuracy on rendered scenes (own caption > one-detail-wrong caption)", rendered)]
+    if a.where:
+        md += ["", f"Where a single shape is (own caption over the other half's, {2 * a.per_task} scenes an axis, "
+                   f"any shape): left / right **{result['where']['x']:.3f}**, top / bottom **{result['where']['y']:.3f}**."]
     if a.samples:
         by_steps = result["tiny_shapes_samples"]
         named = {f"{steps} ODE steps": s for steps, s in by_steps.items()}

@@ -1019,3 +1019,24 @@ def pairwise_accuracy(score, split: str = "test", per_task: int = 200, seed: int
                         **{f"relation_flipped_{name}": float(np.mean(right[trained == t])) if np.any(trained == t) else None
                            for name, t in (("train", True), ("test", False))}}
     return {"overall": float(np.mean(list(acc.values()))), **acc, **relation}
+
+
+def where_accuracy(score, per_axis: int = 200, seed: int = 1234) -> dict:
+    """How often a single shape's caption of where it is ("a photo of a circle on the left") scores above the
+    other half's ("... on the right"), on fresh scenes of `_absolute_pair` and their mirrors: {"x": left / right,
+    "y": top / bottom}. Only for a model trained with absolute_pairs: another tokenizer spells the words out.
+    score: as in `pairwise_accuracy`."""
+    from PIL import Image
+
+    rng, acc = np.random.default_rng(seed), {}
+    for axis in WHERE:
+        right = []
+        while len(right) < 2 * per_axis:
+            scenes_, captions, _ = _absolute_pair(rng, "test", 0)
+            if not captions[0].endswith(WHERE[axis][0]):
+                continue
+            images = [Image.fromarray(shapes.render(s, SIZE)) for s in scenes_]
+            own, other = np.asarray(score(images, captions)), np.asarray(score(images, captions[::-1]))
+            right += list(own > other)
+        acc[axis] = float(np.mean(right))
+    return acc
