@@ -135,7 +135,7 @@ def main() -> None:
            f"its ranks agree with themselves at {num(m['reward_retest_within_prompt'])} within a prompt, "
            f"{m['reward_retest']:.3f} over all."]
     md += ["", "Mean reward of the samples at each dense score (how many in brackets):", ""]
-    md += [f"- {t}: " + ", ".join(f"{d}: {v['reward']:.2f} ({v['n']})" for d, v in levels.items())
+    md += [f"- {t}: " + ", ".join(f"{float(d):.3g}: {v['reward']:.2f} ({v['n']})" for d, v in levels.items())
            for t, levels in result["reward_by_dense"].items()]
     write_results(a.out, result, md)
 

@@ -15,7 +15,7 @@ OUT/results.json and OUT/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +24,9 @@ import torch
 
 from tpkit.shapes import preference
 from tpkit.shapes import scenes as shapes
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reward_quality import write_results  # noqa: E402
 
 PAIRS = (("circle", "square"), ("triangle", "circle"), ("square", "triangle"))
 
@@ -91,10 +94,7 @@ def main() -> None:
     for off, on in zip(result["runs"]["0.0"], result["runs"]["1.0"]):
         md.append(f"| {off['step']} | " + " | ".join(str(r[k]) for r in (off, on)
                                                       for k in ("loss", "accuracy", "cos_images", "cos_captions")) + " |")
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    (a.out / "RESULTS.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write_results(a.out, result, md)
 
 
 if __name__ == "__main__":
