@@ -178,6 +178,15 @@ def test_relation_start_holds_position_prompts_back_and_absolute_pairs_lead_the_
     assert cli("pretrain-shapes-reward", "--out", "unused", "--relation-start", "-1") == 2
 
 
+def test_another_seed_draws_other_batches_and_another_initialisation():
+    """--seed: a rerun of the same recipe on other random draws (what a probe's difference is measured against)."""
+    base, other = preference.Recipe(pairs=3, negatives=2), preference.Recipe(pairs=3, negatives=2, seed=1)
+    assert preference.batch_for(base, 5).captions != preference.batch_for(other, 5).captions
+    w0, w1 = (preference.build(seed=s)[0].text_projection.weight for s in (0, 1))
+    assert not torch.equal(w0, w1)
+    assert cli("pretrain-shapes-reward", "--out", "unused", "--seed", "-1") == 2
+
+
 def _meta_of(prompt: str) -> dict:
     return next(m for tag in shapes.TAGS for m in shapes.split_prompts(tag) if m["prompt"] == prompt)
 

@@ -491,6 +491,8 @@ def pretrain_shapes_reward(
     out: Path = typer.Option(..., "--out", help="Run folder: state.pt (resumable) and model/ (CLIPModel + processor)."),
     max_minutes: Optional[float] = typer.Option(None, help="Stop (checkpointed) after this many minutes; rerun to continue."),
     steps: Optional[int] = typer.Option(None, help="Optimizer steps (default: the recipe's)."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the initialisation, the batches and the sample bank's noise "
+                                       "(default: the recipe's, 0): another seed measures what a rerun could move."),
     workers: int = typer.Option(1, help="Processes rendering the batches ahead (0: inline); the result does not depend on it."),
     sample_pairs: Optional[int] = typer.Option(None, help="Ranked pairs of tiny-shapes samples per batch (0: rendered scenes only)."),
     samples_per_prompt: Optional[int] = typer.Option(None, help="tiny-shapes samples drawn per train prompt for the ranking."),
@@ -519,8 +521,8 @@ def pretrain_shapes_reward(
 
     _positive_minutes(max_minutes)
     recipe = preference.Recipe()
-    for name, value in (("steps", steps), ("sample_pairs", sample_pairs), ("samples_per_prompt", samples_per_prompt),
-                        ("graded_pairs", graded_pairs), ("graded_by", graded_by), ("caption_pairs", caption_pairs),
+    for name, value in (("seed", seed), ("steps", steps), ("sample_pairs", sample_pairs),
+                        ("samples_per_prompt", samples_per_prompt), ("graded_pairs", graded_pairs), ("graded_by", graded_by), ("caption_pairs", caption_pairs),
                         ("layout_aux", layout_aux), ("mirror_pairs", mirror_pairs),
                         ("shift_consistency", shift_consistency), ("absolute_pairs", absolute_pairs),
                         ("relation_start", relation_start)):

@@ -158,11 +158,11 @@ class Recipe:
 
     def validate(self) -> "Recipe":
         """Every count and rate in range before any work; an InputError naming the option otherwise."""
-        for name in ("steps", "pairs", "negatives", "warmup", "sample_pairs", "samples_per_prompt", "sample_steps", "rank_start",
-                     "graded_pairs", "caption_pairs", "absolute_pairs", "relation_start"):
+        for name in ("seed", "steps", "pairs", "negatives", "warmup", "sample_pairs", "samples_per_prompt", "sample_steps",
+                     "rank_start", "graded_pairs", "caption_pairs", "absolute_pairs", "relation_start"):
             value = getattr(self, name)
-            low = 0 if name in ("warmup", "sample_pairs", "rank_start", "graded_pairs", "caption_pairs", "absolute_pairs",
-                                "relation_start") else 1
+            low = 0 if name in ("seed", "warmup", "sample_pairs", "rank_start", "graded_pairs", "caption_pairs",
+                                "absolute_pairs", "relation_start") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 flag = "--" + name.replace("_", "-")
                 raise InputError(f"{flag} {value!r} must be a whole number >= {low}", f"e.g. {flag} {getattr(Recipe, name)}")
