@@ -149,11 +149,12 @@ class Recipe:
     # A curriculum from absolute positions to relations. absolute_pairs of a batch's pairs are a single shape wholly
     # in one half of the canvas, captioned where it is ("a photo of a circle on the left"; `_absolute_pair`), and the
     # same scene mirrored ("... on the right"), for every shape, including those the test split's relations pair;
-    # position prompts are drawn only from step relation_start on. Why: a relation is learned only for the pairs of
-    # shapes it was contrasted on (`bench/shapes/reward/mirror/`); where each shape is, learned first and for every
-    # shape, might be what an unseen pair's relation is composed of. It is not: with 4 pairs from step 0 and relations
-    # from step 400 the places are learned (0.998) and unseen pairs' relations stay at chance, at a cost in colour
-    # (`bench/shapes/reward/absolute/`, `bench/shapes/relation_both_ways.py`). 0, 0: none (the shipped model).
+    # scene pairs of position prompts are drawn only from step relation_start on (the ranking terms start at
+    # rank_start anyway). Why: a relation is learned only for the pairs of shapes it was contrasted on
+    # (`bench/shapes/reward/mirror/`); where each shape is, learned first and for every shape, might be what an unseen
+    # pair's relation is composed of. It is not: with 4 pairs from step 0 and relations from step 400 the places are
+    # learned (0.998) and unseen pairs' relations stay at chance, at a cost in colour (`bench/shapes/reward/absolute/`,
+    # `bench/shapes/relation_both_ways.py`). 0, 0: none (the shipped model).
     absolute_pairs: int = 0
     relation_start: int = 0
     arch: Arch = field(default_factory=Arch)
