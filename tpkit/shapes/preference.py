@@ -149,8 +149,8 @@ class Recipe:
     # A curriculum from absolute positions to relations. absolute_pairs of a batch's pairs are a single shape wholly
     # in one half of the canvas, captioned where it is ("a photo of a circle on the left"; `_absolute_pair`), and the
     # same scene mirrored ("... on the right"), for every shape, including those the test split's relations pair;
-    # scene pairs of position prompts are drawn only from step relation_start on (the ranking terms start at
-    # rank_start anyway). Why: a relation is learned only for the pairs of shapes it was contrasted on
+    # scene pairs of position prompts are drawn only from step relation_start on (the ranking terms are not held
+    # back). Why: a relation is learned only for the pairs of shapes it was contrasted on
     # (`bench/shapes/reward/mirror/`); where each shape is, learned first and for every shape, might be what an unseen
     # pair's relation is composed of. It is not: with 4 pairs from step 0 and relations from step 400 the places are
     # learned (0.998) and unseen pairs' relations stay at chance, at a cost in colour (`bench/shapes/reward/absolute/`,
