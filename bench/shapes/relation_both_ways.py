@@ -67,8 +67,10 @@ def main() -> None:
     t0 = time.time()
     items = scenes_by_kind(a.per_prompt)
     prompts = {k: len(v) // a.per_prompt for k, v in items.items()}
-    result = {"per_prompt": a.per_prompt, "prompts": prompts,
-              "models": {name: {k: accuracy(reward(folder), v) for k, v in items.items()} for name, folder in named.items()}}
+    result = {"per_prompt": a.per_prompt, "prompts": prompts, "models": {}}
+    for name, folder in named.items():
+        score = reward(folder)  # loaded once a model
+        result["models"][name] = {k: accuracy(score, v) for k, v in items.items()}
     result["seconds"] = round(time.time() - t0, 1)
     md = ["# The relation both ways: own caption over the flipped one, on scenes of both arrangements of a pair\n",
           "`python bench/shapes/relation_both_ways.py " + " ".join(f"--model {n}={f}" for n, f in named.items())
@@ -76,7 +78,8 @@ def main() -> None:
           f"{a.per_prompt} fresh renders each, grouped by what pretraining read of a pair's two arrangements "
           "(a prompt and its flipped relation): both, one, or neither. Half is chance, and also what a model that "
           "prefers one caption whatever the picture scores; a 95 % interval about it is +- 1.96 sqrt(0.25 / scenes).\n",
-          "| model | " + " | ".join(f"{k} ({prompts[k]} prompts, {prompts[k] * a.per_prompt} scenes)" for k in KINDS) + " |", "|---" * (len(KINDS) + 1) + "|"]
+          "| model | " + " | ".join(f"{k} ({prompts[k]} prompts, {prompts[k] * a.per_prompt} scenes)" for k in KINDS) + " |",
+          "|---" * (len(KINDS) + 1) + "|"]
     md += [f"| {name} | " + " | ".join(f"{acc[k]:.3f}" for k in KINDS) + " |" for name, acc in result["models"].items()]
     write_results(a.out, result, md)
 
