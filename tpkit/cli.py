@@ -522,7 +522,8 @@ def pretrain_shapes_reward(
     _positive_minutes(max_minutes)
     recipe = preference.Recipe()
     for name, value in (("seed", seed), ("steps", steps), ("sample_pairs", sample_pairs),
-                        ("samples_per_prompt", samples_per_prompt), ("graded_pairs", graded_pairs), ("graded_by", graded_by), ("caption_pairs", caption_pairs),
+                        ("samples_per_prompt", samples_per_prompt), ("graded_pairs", graded_pairs),
+                        ("graded_by", graded_by), ("caption_pairs", caption_pairs),
                         ("layout_aux", layout_aux), ("mirror_pairs", mirror_pairs),
                         ("shift_consistency", shift_consistency), ("absolute_pairs", absolute_pairs),
                         ("relation_start", relation_start)):

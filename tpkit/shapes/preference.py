@@ -474,8 +474,8 @@ def _draw_prompt(rng: np.random.Generator, split: str, task_weights: tuple[float
     """A prompt of the split: its task with the relative `task_weights` (None: alike), then uniformly; no position
     prompt unless `relations`."""
     if not relations:
-        task_weights = tuple(0.0 if t == "position" else 1.0 for t in shapes.TAGS) if task_weights is None else \
-            tuple(0.0 if t == "position" else w for t, w in zip(shapes.TAGS, task_weights))
+        alike = (1.0,) * len(shapes.TAGS)
+        task_weights = tuple(0.0 if t == "position" else w for t, w in zip(shapes.TAGS, task_weights or alike))
     if task_weights is None:  # its own draw, so that the shipped recipe's batches stay what they were
         tag = shapes.TAGS[int(rng.integers(len(shapes.TAGS)))]
     else:
