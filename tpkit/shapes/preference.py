@@ -1036,7 +1036,7 @@ def where_accuracy(score, per_axis: int = 200, seed: int = 1234) -> dict:
     rng, acc = np.random.default_rng(seed), {}
     for axis in WHERE:
         right = []
-        while len(right) < 2 * per_axis:
+        for _ in range(per_axis):  # a scene and its mirror each
             scenes_, captions, _ = _absolute_pair(rng, "test", 0, axis)
             images = [Image.fromarray(shapes.render(s, SIZE)) for s in scenes_]
             own, other = np.asarray(score(images, captions)), np.asarray(score(images, captions[::-1]))
