@@ -229,6 +229,24 @@ def test_pretrain_command_is_resumable_and_loads_in_the_pickscore_reward(tmp_pat
     assert all(np.isfinite(scores)) and scores[0] != scores[1]
 
 
+def test_width_makes_a_wider_model_of_heads_of_32_and_the_history_keeps_the_minutes(tmp_path, capfd):
+    """`--width` sets both towers' hidden size in heads of HEAD_DIM; a run of another width is refused on resume, and
+    a width that is no multiple of a head is refused before any work. The history times its entries."""
+    out = tmp_path / "wide"
+    argv = ["pretrain-shapes-reward", "--out", out, "--steps", "50", "--workers", "0", "--sample-pairs", "0"]
+    assert cli(*argv, "--width", "64") == 0
+    config = json.loads((out / "model" / "config.json").read_text())
+    for tower in ("text_config", "vision_config"):
+        assert (config[tower]["hidden_size"], config[tower]["num_attention_heads"]) == (64, 2)
+    state = torch.load(out / "state.pt", weights_only=False)
+    assert [h["step"] for h in state["history"]] == [50] and 0 < state["history"][0]["minutes"] <= state["minutes"]
+    capfd.readouterr()
+    assert cli(*argv) == 2 and "width 64 (now 128)" in " ".join(capfd.readouterr().err.split())
+    assert cli(*argv, "--width", "48") == 2 and "multiple of 32" in capfd.readouterr().err
+    assert not (tmp_path / "x").exists() and cli("pretrain-shapes-reward", "--out", tmp_path / "x", "--width", "0") == 2
+    assert not (tmp_path / "x").exists()
+
+
 def test_the_sample_bank_ranks_the_generators_own_samples_of_train_prompts(tmp_path):
     """The bank holds tiny-shapes samples judged by GenEval's judge (re-judging a stored image gives its
     score); a test prompt is refused; each ranked pair is two samples of one prompt, the better first;

@@ -514,6 +514,8 @@ def pretrain_shapes_reward(
                                                  "captioned where it is ('a photo of a circle on the left'; 0: none)."),
     relation_start: Optional[int] = typer.Option(None, help="Position prompts from this step on (0: from the first): "
                                                  "with --absolute-pairs, a curriculum from places to relations."),
+    width: Optional[int] = typer.Option(None, help="Both towers' hidden size, in heads of 32 (default: the recipe's, "
+                                        "128; the package's limit of 10 MB holds about 160 in float32)."),
 ) -> None:
     """Pretrain `tiny-shapes-pickscore`, the testbed's CLIP preference model, on train-split prompts (fixed seed;
     resumable: rerun the same command)."""
@@ -531,6 +533,8 @@ def pretrain_shapes_reward(
             setattr(recipe, name, value)
     if task_weight:
         recipe.task_weights = model.task_weights(task_weight, recipe.task_weights)
+    if width is not None:  # a wider model has more heads of the same size (validated with the recipe)
+        recipe.arch = preference.Arch(width=width, heads=width // preference.HEAD_DIM)
     if workers < 0:
         raise InputError(f"--workers {workers} must be >= 0", "e.g. --workers 1 (one core renders, one trains)")
     preference.train(out, recipe, max_minutes=max_minutes, workers=workers)

@@ -77,9 +77,12 @@ def weights_dir() -> Path:
     return BUILTIN_MODELS[NAME]
 
 
+HEAD_DIM = 32  # `--width W` keeps each attention head this wide: W // HEAD_DIM heads
+
+
 @dataclass
 class Arch:
-    width: int = 128
+    width: int = 128  # both towers' hidden size (the MLPs are 4x); 1.48 M parameters in all at 128, 3.28 M at 192
     vision_layers: int = 4
     text_layers: int = 3
     heads: int = 4
@@ -169,6 +172,10 @@ class Recipe:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 flag = "--" + name.replace("_", "-")
                 raise InputError(f"{flag} {value!r} must be a whole number >= {low}", f"e.g. {flag} {getattr(Recipe, name)}")
+        a = self.arch
+        if not (isinstance(a.width, int) and a.width >= HEAD_DIM and a.width == a.heads * HEAD_DIM):
+            raise InputError(f"--width {a.width!r} must be a positive multiple of {HEAD_DIM}, each attention head's width",
+                             f"e.g. --width {2 * Arch().width}")
         if self.absolute_pairs > self.pairs:
             raise InputError(f"--absolute-pairs {self.absolute_pairs} is more than the batch's {self.pairs} pairs",
                              "e.g. --absolute-pairs 4")
@@ -860,6 +867,11 @@ def _save_model(model, processor, folder: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _options(recipe: dict) -> dict:
+    """A recipe's fields with the architecture's among them, so a refusal names "width 192 (now 128)"."""
+    return {**{k: v for k, v in recipe.items() if k != "arch"}, **recipe["arch"]}
+
+
 def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = None, progress: bool = True,
           workers: int = 1) -> Path:
     """Train the preference model into `out/model/` (resumable: `out/state.pt` holds the model, the optimizer,
@@ -882,7 +894,7 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
     head = layout_head(r.arch) if r.layout_aux else None  # built after the model: the model's init stays the same
     params = list(model.parameters()) + (list(head.parameters()) if head is not None else [])
     opt = torch.optim.AdamW(params, lr=r.lr, weight_decay=r.weight_decay)
-    step, history = 0, []
+    step, history, minutes = 0, [], 0.0  # minutes: time spent on steps, over every resumed part of the run
     if state_path.is_file():
         # a truncated or foreign file, or one whose modules changed shape since (the layout head did once), is
         # refused by name: its own traceback would not say which file to move aside
@@ -890,10 +902,10 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
                                           "pass a new --out, or delete state.pt to start this run again")
         try:
             st = torch.load(state_path, weights_only=False)
-            saved = {**asdict(Recipe()), **st["recipe"]}  # options added since take their defaults
+            saved = _options({**asdict(Recipe()), **st["recipe"]})  # options added since take their defaults
         except Exception as e:  # pickle, zip and key errors alike: the file is not a state this command wrote
             raise unusable(f"not a training state ({type(e).__name__})") from e
-        mine = asdict(r)
+        mine = _options(asdict(r))
         if saved != mine:
             differ = ", ".join(f"{k} {saved[k]} (now {mine[k]})" for k in mine if saved[k] != mine[k])
             raise InputError(f"{out} holds a run of another recipe: {differ}", "pass the same options, or a new --out")
@@ -902,7 +914,7 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
             if head is not None:
                 head.load_state_dict(st["layout_head"])
             opt.load_state_dict(st["optimizer"])
-            step, history = st["step"], st["history"]
+            step, history, minutes = st["step"], st["history"], st.get("minutes", 0.0)
         except (KeyError, RuntimeError, ValueError) as e:
             raise unusable(f"written by another version of this command ({str(e).splitlines()[0][:120]})") from e
     if step >= r.steps and model_dir.is_dir():
@@ -912,7 +924,8 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
     def checkpoint() -> None:
         tmp = state_path.with_name(state_path.name + ".tmp")
         torch.save({"recipe": asdict(r), "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                    "history": history, **({"layout_head": head.state_dict()} if head is not None else {})}, tmp)
+                    "history": history, "minutes": elapsed(),
+                    **({"layout_head": head.state_dict()} if head is not None else {})}, tmp)
         os.replace(tmp, state_path)
 
     # 2. The sample bank (drawn once; its minutes count towards --max-minutes).
@@ -930,8 +943,10 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
             console.print(f"detecting the bank's samples for --caption-pairs (once: kept in {VERDICTS})")
             _caption_verdicts(bank)
 
-    # 3. Steps, checkpointed every few minutes and when stopped.
-    last = time.monotonic()
+    # 3. Steps, checkpointed every few minutes and when stopped; the history keeps the minutes at each entry, so a
+    # rate that changes along a run shows (one 5000-step run went from about 95 steps a minute to 48).
+    last = t_steps = time.monotonic()
+    elapsed = lambda: minutes + (time.monotonic() - t_steps) / 60  # noqa: E731
     model.train()
     columns = (TextColumn("[bold]reward model"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
@@ -960,7 +975,7 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
             step += 1
             smooth = info if smooth is None else {k: 0.98 * smooth.get(k, v) + 0.02 * v for k, v in info.items()}
             if step % 50 == 0:
-                history.append({"step": step, **{k: round(v, 4) for k, v in smooth.items()}})
+                history.append({"step": step, "minutes": round(elapsed(), 2), **{k: round(v, 4) for k, v in smooth.items()}})
             bar.update(task, completed=step, info=f"loss {smooth['loss']:.3f} caption acc {smooth['caption_acc']:.2f}"
                        + (f" rank acc {smooth['rank_acc']:.2f}" if "rank_acc" in smooth else "")
                        + (f" caption rank acc {smooth['caption_rank_acc']:.2f}" if "caption_rank_acc" in smooth else ""))
