@@ -294,6 +294,56 @@ def test_the_sample_bank_ranks_the_generators_own_samples_of_train_prompts(tmp_p
     assert (tmp_path / "run" / preference.BANK).stat().st_mtime_ns == drawn
 
 
+def test_a_branches_bank_ranks_the_completions_along_one_sde_trajectory(tmp_path):
+    """--bank branches: each trajectory gives the ODE completion of every state s_0..s_{T-1}, the first being the
+    plain ODE sample of its noise; every image is judged as stored; a ranked pair is two states of one trajectory,
+    the better first; the bank's settings name it, so a samples recipe over a branches bank is refused."""
+    from PIL import Image
+
+    from tpkit import models
+    from tpkit.errors import InputError
+    from tpkit.geneval import detectors
+    from tpkit.models.names import SHAPES_MODEL
+    from tpkit.shapes import model as shapes_model
+
+    m = models.load(SHAPES_MODEL, device="cpu")
+    emb = m.encode(["a photo of a red circle", "a photo of two squares"], shapes_model.TEXT_LENGTH)
+    x = torch.randn(2, *m.latent_shape(shapes_model.RESOLUTION), generator=torch.Generator().manual_seed(0))
+    along = shapes_model.branch_images(m, emb, x, 3, shapes_model.GUIDANCE, "cps", 0.7, torch.Generator().manual_seed(1))
+    assert along.shape == (2, 3, preference.SIZE, preference.SIZE, 3) and along.dtype == np.uint8
+    assert np.array_equal(along[:, 0], shapes_model.ode_images(m, emb, x, 3, shapes_model.GUIDANCE))
+    assert not np.array_equal(along[:, 0], along[:, 2])  # the noise moved the last states' completions
+
+    r = preference.Recipe(pairs=2, negatives=2, sample_pairs=4, samples_per_prompt=2, sample_steps=3, rank_start=0,
+                          bank="branches")
+    metas = [shapes.split_prompts(t, "train")[0] for t in ("two_object", "counting", "color_attr", "position")]
+    path = preference.sample_bank(tmp_path / preference.BANK, r, metas, progress=False)
+    bank = preference._bank(str(path))
+    assert bank["images"].shape == (24, preference.SIZE, preference.SIZE, 3)
+    assert list(bank["prompts"]) == [m["prompt"] for m in metas for _ in range(6)]
+    assert list(bank["trajectory"]) == [t for t in range(8) for _ in range(3)] and list(bank["step"]) == [0, 1, 2] * 8
+    detector, colours = detectors.load_models("shapes")
+    again = detectors.detect_and_judge([Image.fromarray(a) for a in bank["images"]], [m for m in metas for _ in range(6)],
+                                       detector, colours)
+    assert [j.score for j in again] == list(bank["dense"])
+    for groups in bank["groups"].values():
+        for idx in groups:
+            assert len(set(bank["trajectory"][idx])) == 1 and len(idx) == 3
+    assert bank["groups"]  # (seeded: some trajectories' completions differ)
+    batch = preference.batch_for(r, 0, str(path))
+    images = ((batch.ranked.permute(0, 2, 3, 1) * 0.5 + 0.5) * 255).round().to(torch.uint8).numpy()
+    where = [np.flatnonzero((bank["images"] == im).all(axis=(1, 2, 3))) for im in images]  # (empty canvases repeat)
+    for k in range(len(batch.ranked_captions)):
+        assert any(bank["trajectory"][b] == bank["trajectory"][w] and bank["dense"][b] > bank["dense"][w]
+                   for b in where[2 * k] for w in where[2 * k + 1])
+    assert "bank=branches" in preference.bank_settings(path)
+    assert preference.bank_settings(path) != preference._bank_settings(dataclasses.replace(r, bank="samples"))
+    with pytest.raises(InputError, match="--bank"):
+        dataclasses.replace(r, bank="sde").validate()
+    with pytest.raises(InputError, match="--sample-steps 1"):
+        dataclasses.replace(r, sample_steps=1).validate()
+
+
 def test_pixel_shifts_move_a_drawing_by_whole_pixels_and_never_off_the_canvas():
     """shift_consistency's moves: never (0, 0) where there is room, at most `most` px each way, several drawn,
     never across an edge the drawing touches (a roll would wrap it round to the other side); none for an empty

@@ -495,7 +495,11 @@ def pretrain_shapes_reward(
                                        "(default: the recipe's, 0): another seed measures what a rerun could move."),
     workers: int = typer.Option(1, help="Processes rendering the batches ahead (0: inline); the result does not depend on it."),
     sample_pairs: Optional[int] = typer.Option(None, help="Ranked pairs of tiny-shapes samples per batch (0: rendered scenes only)."),
-    samples_per_prompt: Optional[int] = typer.Option(None, help="tiny-shapes samples drawn per train prompt for the ranking."),
+    samples_per_prompt: Optional[int] = typer.Option(None, help="tiny-shapes samples (with --bank branches: SDE "
+                                                     "trajectories) drawn per train prompt for the ranking."),
+    bank: Optional[str] = typer.Option(None, help="What the ranked samples are: samples (ODE samples, ranked within a "
+                                       "prompt) or branches (ODE completions from every state of an SDE trajectory, "
+                                       "as the score stage judges them, ranked within a trajectory)."),
     graded_pairs: Optional[int] = typer.Option(None, help="Ranked pairs of rendered near misses per batch, ordered by "
                                                "their dense score (0: none)."),
     graded_by: Optional[str] = typer.Option(None, help="How graded pairs are graded: truth (crisp renders, true boxes) "
@@ -524,7 +528,7 @@ def pretrain_shapes_reward(
     _positive_minutes(max_minutes)
     recipe = preference.Recipe()
     for name, value in (("seed", seed), ("steps", steps), ("sample_pairs", sample_pairs),
-                        ("samples_per_prompt", samples_per_prompt), ("graded_pairs", graded_pairs),
+                        ("samples_per_prompt", samples_per_prompt), ("bank", bank), ("graded_pairs", graded_pairs),
                         ("graded_by", graded_by), ("caption_pairs", caption_pairs),
                         ("layout_aux", layout_aux), ("mirror_pairs", mirror_pairs),
                         ("shift_consistency", shift_consistency), ("absolute_pairs", absolute_pairs),

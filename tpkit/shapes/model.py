@@ -646,6 +646,29 @@ def ode_images(m, emb: dict, x: torch.Tensor, steps: int, guidance: float) -> np
     return m.decode(x)
 
 
+def branch_images(m, emb: dict, x: torch.Tensor, steps: int, guidance: float, sampler: str, noise_level: float,
+                  gen: torch.Generator) -> np.ndarray:
+    """What the score stage judges along one rollout with the window (0, T - 1): a trajectory s_0 = x, s_1, ...,
+    s_{T-1} of T - 1 stochastic steps (`formulas.stochastic_step`, noise drawn from `gen`), and the Euler ODE
+    completion (CFG) from every state s_k, k = 0..T-1 -> uint8 [B, T, H, W, 3]. The completion from s_0 is
+    ode_images(x); one velocity v(s_k) serves both s_k's completion and its stochastic step."""
+    sigmas = m.sigmas(steps, RESOLUTION)
+    out = []
+    with torch.no_grad():
+        for k in range(steps):
+            v = m.velocity(x, torch.full((len(x),), sigmas[k]), emb, guidance)
+            y = formulas.ode_step(x, v, sigmas[k], sigmas[k + 1])
+            for t in range(k + 1, steps):
+                y = formulas.ode_step(y, m.velocity(y, torch.full((len(y),), sigmas[t]), emb, guidance), sigmas[t],
+                                      sigmas[t + 1])
+            out.append(m.decode(y))
+            if k < steps - 1:
+                eps = torch.randn(x.shape, generator=gen)
+                x = formulas.stochastic_step(sampler, x, v, sigmas[k], sigmas[k + 1], noise_level, sigmas[1],
+                                             noise=eps).sample
+    return np.stack(out, 1)
+
+
 def accuracy(model: str, metadata: list[dict], images_per_prompt: int = 4, steps: int = 40, guidance: float = GUIDANCE,
              seed: int = 0, batch_size: int = 32, text_length: int = TEXT_LENGTH, lora: str | None = None) -> dict:
     """GenEval accuracy with the shapes detector, sampled like `tpkit eval geneval` (ODE, CFG, one seed

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from tpkit import layout, models
+from tpkit.config import RolloutConfig
 from tpkit.errors import InputError
 from tpkit.geneval import detectors
 from tpkit.geneval import prompts as gp
@@ -64,6 +65,7 @@ TEXT_POSITIONS = 77  # CLIP's context length: the reward truncates to it, so any
 OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
 MEAN, STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)  # pixels to [-1, 1]
 GRADED_BY = ("truth", "detector")
+BANKS = ("samples", "branches")
 CONSISTENT_IMAGES, SHIFT_MOST = 16, 4  # shift_consistency: images a batch moved, by up to this many px (half a patch)
 BLOB_BLUR, BLOB_GAIN = 3.0, 4.0  # "detector" grading: Gaussian blur sigma up to this, then contrast gain up to this
 # absolute_pairs: where a single shape is, per axis (first half, second half of the canvas); the words these add
@@ -106,6 +108,13 @@ class Recipe:
     sample_pairs: int = 12  # pairs of tiny-shapes samples of one prompt per batch, ranked by the dense score (0: none)
     samples_per_prompt: int = 8  # the bank: tiny-shapes samples of each train prompt
     sample_steps: int = 10  # ... drawn with this many ODE steps (the rollout's: what the reward judges in RL)
+    # What the bank holds. "samples": ODE samples from fresh noise, ranked within a prompt (the shipped model).
+    # "branches": samples_per_prompt rollouts a prompt, each the ODE completions from every state of one SDE
+    # trajectory (`shapes_model.branch_images`, the rollout's sampler and noise level), ranked within a trajectory:
+    # the very images whose rewards R_k give TP-GRPO its step rewards d_k. Two completions of one trajectory share
+    # the noise they start from, so where the dense score differs, mostly one detail does (an object lost, gained,
+    # recoloured): the generator's own near misses, where fresh samples of a prompt differ in everything.
+    bank: str = "samples"
     # The ranking term from this step on, at this weight: from the first step it has a text-free solution
     # (every caption embedded alike, the image's quality alone ranks a pair), which kept the captions at chance.
     rank_start: int = 800
@@ -179,7 +188,10 @@ class Recipe:
         if self.absolute_pairs > self.pairs:
             raise InputError(f"--absolute-pairs {self.absolute_pairs} is more than the batch's {self.pairs} pairs",
                              "e.g. --absolute-pairs 4")
-        if self.sample_pairs and self.samples_per_prompt < 2:
+        if self.sample_pairs and self.bank == "branches" and self.sample_steps < 2:
+            raise InputError(f"--sample-steps {self.sample_steps}: ranking the states of one trajectory needs at least 2",
+                             "e.g. --sample-steps 10 (the rollout's)")
+        if self.sample_pairs and self.bank == "samples" and self.samples_per_prompt < 2:
             raise InputError(f"--samples-per-prompt {self.samples_per_prompt}: ranking samples of one prompt needs at least 2",
                              "e.g. --samples-per-prompt 8, or --sample-pairs 0 (rendered scenes only)")
         for name in ("lr", "weight_decay", "blur", "noise", "jitter", "checkpoint_minutes", "rank_weight", "layout_aux",
@@ -189,6 +201,8 @@ class Recipe:
                 raise InputError(f"{name} = {value!r} must be a finite number >= 0", f"e.g. {getattr(Recipe, name)}")
         if not (isinstance(self.mirror_pairs, (int, float)) and 0 <= self.mirror_pairs <= 1):
             raise InputError(f"--mirror-pairs {self.mirror_pairs!r} must be a share in [0, 1]", "e.g. --mirror-pairs 1")
+        if self.bank not in BANKS:
+            raise InputError(f"--bank {self.bank!r} is not one of {', '.join(BANKS)}", "e.g. --bank branches")
         if self.graded_by not in GRADED_BY:
             raise InputError(f"--graded-by {self.graded_by!r} is not one of {', '.join(GRADED_BY)}", "e.g. --graded-by detector")
         w = self.task_weights
@@ -343,7 +357,10 @@ def sample_bank(path: Path, r: Recipe, metas: list[dict] | None = None, progress
     """Draw r.samples_per_prompt tiny-shapes samples of every train prompt (or of `metas`) with the
     rollout's sampler (ODE, r.sample_steps Euler steps, CFG; noise seeded by r.seed) and judge each with
     GenEval's judge and the shapes detector. Writes `path` (npz, atomically): images uint8 [N, 64, 64, 3],
-    prompts [N] str, dense [N] float (GenEval's dense score), correct [N] bool."""
+    prompts [N] str, dense [N] float (GenEval's dense score), correct [N] bool. With r.bank "branches",
+    r.samples_per_prompt SDE trajectories a prompt instead, and the ODE completion from each of their
+    r.sample_steps states (N = prompts x samples_per_prompt x sample_steps), with trajectory [N] int (which
+    one) and step [N] int (k of s_k)."""
     from rich.progress import Progress
 
     from PIL import Image
@@ -352,32 +369,46 @@ def sample_bank(path: Path, r: Recipe, metas: list[dict] | None = None, progress
     if any(shapes.is_test(m) for m in metas):  # the reward never reads a test prompt, not even as a sample's caption
         raise ValueError("sample_bank: test-split prompt given")
     jobs = [m for m in metas for _ in range(r.samples_per_prompt)]
+    branches = r.bank == "branches"
+    per_job = r.sample_steps if branches else 1  # images a job gives
     m = models.load(SHAPES_MODEL, device="cpu")
     detector, colours = detectors.load_models("shapes")
     images, dense, correct = [], [], []
     with Progress(console=console, disable=not progress) as bar:
-        task = bar.add_task("[bold]sample bank[/] (tiny-shapes samples of the train prompts, judged)", total=len(jobs))
+        what = "ODE completions along SDE trajectories" if branches else "tiny-shapes samples"
+        task = bar.add_task(f"[bold]sample bank[/] ({what} of the train prompts, judged)", total=len(jobs))
         for b in range(0, len(jobs), batch_size):
             batch = jobs[b: b + batch_size]
             emb = m.encode([meta["prompt"] for meta in batch], shapes_model.TEXT_LENGTH)
             g = torch.Generator().manual_seed(r.seed * 1_000_003 + b)
             x = torch.randn(len(batch), *m.latent_shape(shapes_model.RESOLUTION), generator=g)
-            arrays = shapes_model.ode_images(m, emb, x, r.sample_steps, shapes_model.GUIDANCE)
-            judged = detectors.detect_and_judge([Image.fromarray(a) for a in arrays], batch, detector, colours)
+            if branches:
+                arrays = shapes_model.branch_images(m, emb, x, r.sample_steps, shapes_model.GUIDANCE,
+                                                    RolloutConfig.sampler, RolloutConfig.noise_level, g)
+                arrays = arrays.reshape(-1, *arrays.shape[2:])  # trajectory-major: s_0..s_{T-1} of each
+            else:
+                arrays = shapes_model.ode_images(m, emb, x, r.sample_steps, shapes_model.GUIDANCE)
+            judged = detectors.detect_and_judge([Image.fromarray(a) for a in arrays],
+                                                [meta for meta in batch for _ in range(per_job)], detector, colours)
             images.append(arrays)
             dense += [j.score for j in judged]
             correct += [bool(j.correct) for j in judged]
             bar.update(task, advance=len(batch))
     tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, images=np.concatenate(images), prompts=np.array([meta["prompt"] for meta in jobs]),
-                        dense=np.array(dense, np.float64), correct=np.array(correct), settings=np.array(_bank_settings(r)))
+    where = {"trajectory": np.repeat(np.arange(len(jobs)), per_job), "step": np.tile(np.arange(per_job), len(jobs))}
+    np.savez_compressed(tmp, images=np.concatenate(images), prompts=np.array([meta["prompt"] for meta in jobs for _ in range(per_job)]),
+                        dense=np.array(dense, np.float64), correct=np.array(correct), settings=np.array(_bank_settings(r)),
+                        **(where if branches else {}))
     os.replace(tmp, path)
     return path
 
 
 def _bank_settings(r: Recipe) -> str:
     """What a bank is drawn from (the generator is the shipped tiny-shapes)."""
-    return f"seed={r.seed} samples_per_prompt={r.samples_per_prompt} sample_steps={r.sample_steps}"
+    settings = f"seed={r.seed} samples_per_prompt={r.samples_per_prompt} sample_steps={r.sample_steps}"
+    if r.bank == "branches":  # (a samples bank's settings read as before branches existed: older banks still resume)
+        settings += f" bank=branches sampler={RolloutConfig.sampler} noise_level={RolloutConfig.noise_level}"
+    return settings
 
 
 def bank_settings(path: Path) -> str | None:
@@ -387,21 +418,23 @@ def bank_settings(path: Path) -> str | None:
 
 @lru_cache(maxsize=2)
 def _bank(path: str) -> dict:
-    """The bank, and per task the prompts whose samples' dense scores differ (the ones that make pairs)."""
+    """The bank, and per task its groups whose dense scores differ (the ones that make pairs): the samples of
+    one prompt, or in a branches bank the completions along one trajectory."""
     with np.load(path) as z:
         bank = {k: z[k] for k in z.files}
     tag_of = {m["prompt"]: m["tag"] for m in train_prompts()}
+    key = bank["trajectory"] if "trajectory" in bank else bank["prompts"]
     groups: dict[str, list[np.ndarray]] = {}
-    for p in np.unique(bank["prompts"]):
-        idx = np.flatnonzero(bank["prompts"] == p)
+    for g in np.unique(key):
+        idx = np.flatnonzero(key == g)
         if np.ptp(bank["dense"][idx]) > 0:
-            groups.setdefault(tag_of[str(p)], []).append(idx)
+            groups.setdefault(tag_of[str(bank["prompts"][idx[0]])], []).append(idx)
     return {**bank, "groups": groups}
 
 
 def _ranked_pairs(rng: np.random.Generator, bank: dict, n: int) -> tuple[np.ndarray, list[str]]:
-    """n pairs (better, worse) of bank samples of one prompt with different dense scores: a task uniformly
-    (so that the few counting prompts count as much as the many colour-binding ones), then a prompt."""
+    """n pairs (better, worse) of bank samples of one group (`_bank`) with different dense scores: a task uniformly
+    (so that the few counting prompts count as much as the many colour-binding ones), then a group."""
     tags = sorted(bank["groups"])
     order, captions = [], []
     for _ in range(n):
