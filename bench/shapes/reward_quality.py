@@ -23,6 +23,12 @@ Everything goes through the `pickscore` reward exactly as `tpkit score --reward 
    Spearman correlation of the reward with GenEval's dense score, over all samples, within each
    prompt (mean over prompts whose samples differ) and per task (samples per task in brackets: the
    test split's prompts are mostly colour binding, so that task weighs most in the overall figure).
+3. Along SDE trajectories of test prompts (`--branches` a prompt, the rollout's sampler: 10 steps, CPS at noise
+   level 0.7, window (0, 9)): the ODE completion from every state s_0..s_9, as the score stage judges them, and
+   the step rewards d_k = R_{k+1} - R_k of both the reward and GenEval's dense score. Where the dense score's d_k
+   is not 0, how often the reward's has the same sign (chance 0.5: what TP-GRPO's step credit needs of a reward);
+   the reward's d_k = 0 share (ties); and the Spearman correlation of R_k with the dense score within a trajectory
+   (mean over trajectories where both vary). The images and dense scores are the same for every model.
 
 Writes OUT/results.json and OUT/RESULTS.md (tables) and prints them.
 """
@@ -38,6 +44,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from tpkit.config import RolloutConfig
 from tpkit.geneval import detectors
 from tpkit.geneval.judge import judge
 from tpkit.models.names import SHAPES_MODEL, SHAPES_PICKSCORE
@@ -134,6 +141,44 @@ def on_samples(score, per_prompt: int, steps: int = 40, seed: int = 0, split: st
             "prompts_with_spread": spread}
 
 
+def on_branches(score, per_prompt: int, seed: int = 0) -> dict:
+    """Section 3 of the module's docstring, on `per_prompt` trajectories of every test prompt."""
+    metas = [m for tag in shapes.TAGS for m in shapes.split_prompts(tag, "test")]
+    m = shapes_model.models.load(SHAPES_MODEL, device="cpu")
+    detector, _ = detectors.load_models("shapes")
+    cfg = RolloutConfig  # its defaults are the main job's sampler
+    R, D, tags = [], [], []  # [trajectories, T]
+    for b in range(0, len(metas), 8):
+        batch = [meta for meta in metas[b: b + 8] for _ in range(per_prompt)]
+        emb = m.encode([meta["prompt"] for meta in batch], shapes_model.TEXT_LENGTH)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + b)
+        x = torch.randn(len(batch), *m.latent_shape(shapes_model.RESOLUTION), generator=g)
+        along = shapes_model.branch_images(m, emb, x, cfg.steps, shapes_model.GUIDANCE, cfg.sampler, cfg.noise_level, g)
+        T = along.shape[1]
+        images = [Image.fromarray(a) for a in along.reshape(-1, *along.shape[2:])]
+        judged = [meta for meta in batch for _ in range(T)]  # trajectory-major, as `along`
+        dense = [judge(meta, d).score for meta, d in zip(judged, detector(images))]
+        R += np.asarray(score(images, [meta["prompt"] for meta in judged]), dtype=float).reshape(len(batch), T).tolist()
+        D += np.asarray(dense, dtype=float).reshape(len(batch), T).tolist()
+        tags += [meta["tag"] for meta in batch]
+    R, D = np.asarray(R), np.asarray(D)
+    dR, dD = np.diff(R, axis=1), np.diff(D, axis=1)
+    moved = dD != 0
+    agree = np.sign(dR) == np.sign(dD)
+    rhos = [x for x in (spearman(r, d) for r, d in zip(R, D)) if np.isfinite(x)]
+    tag = np.asarray(tags)[:, None]
+
+    def agreement(where: np.ndarray) -> float | None:
+        return float(agree[where].mean()) if where.any() else None
+
+    return {"trajectories": len(R), "transitions": int(dR.size), "dense_moves": int(moved.sum()),
+            "sign_agreement": agreement(moved),
+            "sign_agreement_by_task": {t: agreement(moved & (tag == t)) for t in shapes.TAGS},
+            "dense_moves_by_task": {t: int((moved & (tag == t)).sum()) for t in shapes.TAGS},
+            "reward_ties": float((dR == 0).mean()), "dense_ties": float((dD == 0).mean()),
+            "spearman_within_trajectory": float(np.mean(rhos)) if rhos else None, "trajectories_with_spread": len(rhos)}
+
+
 def write_results(out: Path, result: dict, md: list[str]) -> None:
     """OUT/results.json and OUT/RESULTS.md (the lines of `md`), and the page printed."""
     out.mkdir(parents=True, exist_ok=True)
@@ -158,6 +203,8 @@ def main() -> None:
     ap.add_argument("--model", default=SHAPES_PICKSCORE, help="CLIP preference model (built-in name or folder).")
     ap.add_argument("--per-task", type=int, default=200, help="Rendered scenes per GenEval task.")
     ap.add_argument("--samples", type=int, default=4, help="tiny-shapes samples per test prompt (0: skip).")
+    ap.add_argument("--branches", type=int, default=2, help="SDE trajectories per test prompt, judged at every "
+                    "state (0: skip).")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "reward")
     ap.add_argument("--where", action="store_true", help="Also where a single shape is (a model pretrained with "
                     "--absolute-pairs: its tokenizer has the words).")
@@ -175,9 +222,12 @@ def main() -> None:
         # train prompts, fresh samples (noise seed 1; the training bank's is 0): is a low correlation the
         # unseen captions, or the unseen images?
         result["train_prompt_samples"] = on_samples(score, max(1, a.samples // 2), 40, seed=1, split="train")
+    if a.branches:
+        result["branches"] = on_branches(score, a.branches)
     result["seconds"] = round(time.time() - t0, 1)
     md = ["# tiny-shapes-pickscore: quality on held-out prompts\n",
           f"`python bench/shapes/reward_quality.py --model {a.model} --per-task {a.per_task} --samples {a.samples}"
+          + f" --branches {a.branches}"
           + " --where" * a.where + f"` ({result['seconds']} s).\n",
           table("Pairwise accuracy on rendered scenes (own caption > one-detail-wrong caption)", rendered)]
     if a.where:
@@ -196,6 +246,17 @@ def main() -> None:
                       f"prompts whose samples differ) {num(s['spearman_dense_within_prompt'])}; by task "
                       + ", ".join(f"{t} {s['spearman_dense_by_task'][t]:.3f} ({s['samples_by_task'][t]})" for t in shapes.TAGS)
                       + ".")
+    if a.branches:
+        b = result["branches"]
+        md += ["", f"**Along SDE trajectories of test prompts** ({b['trajectories']} trajectories, {b['transitions']} "
+                   f"transitions s_k -> s_k+1; the dense score moves on {b['dense_moves']}, ties on "
+                   f"{b['dense_ties']:.1%}): where it moves, the reward's step reward d_k has its sign "
+                   f"**{num(b['sign_agreement'])}** of the time (chance 0.5); by task "
+                   + ", ".join(f"{t} {num(b['sign_agreement_by_task'][t])} ({b['dense_moves_by_task'][t]})"
+                               for t in shapes.TAGS)
+                   + f". The reward's d_k = 0 on {b['reward_ties']:.1%} of transitions. Spearman correlation of R_k with "
+                   f"the dense score within a trajectory (mean over {b['trajectories_with_spread']} where both vary): "
+                   f"{num(b['spearman_within_trajectory'])}."]
     write_results(a.out, result, md)
 
 
