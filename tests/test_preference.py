@@ -244,6 +244,8 @@ def test_width_makes_a_wider_model_of_heads_of_32_and_the_history_keeps_the_minu
     capfd.readouterr()
     assert cli(*argv) == 2 and "width 64 (now 128)" in " ".join(capfd.readouterr().err.split())
     assert cli(*argv, "--width", "48") == 2 and "multiple of 32" in capfd.readouterr().err
+    with pytest.raises(preference.InputError, match=r"heads=6\)"):  # a Python caller's own heads
+        preference.Recipe(arch=preference.Arch(width=192, heads=4)).validate()
     assert not (tmp_path / "x").exists() and cli("pretrain-shapes-reward", "--out", tmp_path / "x", "--width", "0") == 2
     assert not (tmp_path / "x").exists()
 

@@ -182,9 +182,12 @@ class Recipe:
                 flag = "--" + name.replace("_", "-")
                 raise InputError(f"{flag} {value!r} must be a whole number >= {low}", f"e.g. {flag} {getattr(Recipe, name)}")
         a = self.arch
-        if not (isinstance(a.width, int) and a.width >= HEAD_DIM and a.width == a.heads * HEAD_DIM):
+        if not (isinstance(a.width, int) and a.width >= HEAD_DIM and a.width % HEAD_DIM == 0):
             raise InputError(f"--width {a.width!r} must be a positive multiple of {HEAD_DIM}, each attention head's width",
                              f"e.g. --width {2 * Arch().width}")
+        if a.heads * HEAD_DIM != a.width:  # (the CLI derives the heads; a Python caller may not)
+            raise InputError(f"Arch(width={a.width}, heads={a.heads}): each head must be {HEAD_DIM} wide",
+                             f"use Arch(width={a.width}, heads={a.width // HEAD_DIM})")
         if self.absolute_pairs > self.pairs:
             raise InputError(f"--absolute-pairs {self.absolute_pairs} is more than the batch's {self.pairs} pairs",
                              "e.g. --absolute-pairs 4")
