@@ -398,10 +398,11 @@ def sample_bank(path: Path, r: Recipe, metas: list[dict] | None = None, progress
             correct += [bool(j.correct) for j in judged]
             bar.update(task, advance=len(batch))
     tmp = path.with_name(path.name + ".tmp.npz")
-    where = {"trajectory": np.repeat(np.arange(len(jobs)), per_job), "step": np.tile(np.arange(per_job), len(jobs))}
-    np.savez_compressed(tmp, images=np.concatenate(images), prompts=np.array([meta["prompt"] for meta in jobs for _ in range(per_job)]),
-                        dense=np.array(dense, np.float64), correct=np.array(correct), settings=np.array(_bank_settings(r)),
-                        **(where if branches else {}))
+    prompts = [meta["prompt"] for meta in jobs for _ in range(per_job)]
+    where = ({"trajectory": np.repeat(np.arange(len(jobs)), per_job), "step": np.tile(np.arange(per_job), len(jobs))}
+             if branches else {})
+    np.savez_compressed(tmp, images=np.concatenate(images), prompts=np.array(prompts), dense=np.array(dense, np.float64),
+                        correct=np.array(correct), settings=np.array(_bank_settings(r)), **where)
     os.replace(tmp, path)
     return path
 
