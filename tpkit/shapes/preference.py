@@ -88,7 +88,7 @@ class Arch:
     vision_layers: int = 4
     text_layers: int = 3
     heads: int = 4
-    patch: int = 8
+    patch: int = 8  # the ViT's patch side in px: 8 -> 64 patches of 64 px; 4 -> 256, about 3.5x the training step
     projection: int = 128
 
 
@@ -188,6 +188,8 @@ class Recipe:
         if a.heads * HEAD_DIM != a.width:  # (the CLI derives the heads; a Python caller may not)
             raise InputError(f"Arch(width={a.width}, heads={a.heads}): each head must be {HEAD_DIM} wide",
                              f"use Arch(width={a.width}, heads={a.width // HEAD_DIM})")
+        if not (isinstance(a.patch, int) and 0 < a.patch <= SIZE and SIZE % a.patch == 0):
+            raise InputError(f"--patch {a.patch!r} must divide the {SIZE} px image into whole patches", "e.g. --patch 8 or --patch 4")
         if self.absolute_pairs > self.pairs:
             raise InputError(f"--absolute-pairs {self.absolute_pairs} is more than the batch's {self.pairs} pairs",
                              "e.g. --absolute-pairs 4")
