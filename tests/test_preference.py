@@ -230,8 +230,9 @@ def test_pretrain_command_is_resumable_and_loads_in_the_pickscore_reward(tmp_pat
 
 
 def test_width_makes_a_wider_model_of_heads_of_32_and_the_history_keeps_the_minutes(tmp_path, capfd):
-    """`--width` sets both towers' hidden size in heads of HEAD_DIM; a run of another width is refused on resume, and
-    a width that is no multiple of a head is refused before any work. The history times its entries."""
+    """`--width` sets both towers' hidden size in heads of HEAD_DIM; a run of another width, patch or bank is refused on
+    resume, and a width that is no multiple of a head or a patch that does not tile the image is refused before any
+    work. The history times its entries."""
     out = tmp_path / "wide"
     argv = ["pretrain-shapes-reward", "--out", out, "--steps", "50", "--workers", "0", "--sample-pairs", "0"]
     assert cli(*argv, "--width", "64") == 0
@@ -243,6 +244,9 @@ def test_width_makes_a_wider_model_of_heads_of_32_and_the_history_keeps_the_minu
     assert 0 < state["history"][0]["minutes"] <= round(state["minutes"], 2)  # the history's are rounded to 2 places
     capfd.readouterr()
     assert cli(*argv) == 2 and "width 64 (now 128)" in " ".join(capfd.readouterr().err.split())
+    for option, refusal in ((["--patch", "4"], "patch 8 (now 4)"), (["--bank", "branches"], "bank samples (now branches)")):
+        assert cli(*argv, "--width", "64", *option) == 2 and refusal in " ".join(capfd.readouterr().err.split())
+    assert cli(*argv, "--width", "64", "--patch", "5") == 2 and "--patch 5 must divide" in capfd.readouterr().err
     assert cli(*argv, "--width", "48") == 2 and "multiple of 32" in capfd.readouterr().err
     with pytest.raises(preference.InputError, match=r"heads=6\)"):  # a Python caller's own heads
         preference.Recipe(arch=preference.Arch(width=192, heads=4)).validate()

@@ -78,6 +78,16 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def seeded_batches(m, metas: list[dict], per_prompt: int, seed: int):
+    """Batches of 8 prompts, `per_prompt` images each: (metas, their encodings, the starting noise, the generator that
+    drew it, for a sampler's further noise), one generator a batch, so a batch's images do not depend on the rest."""
+    for b in range(0, len(metas), 8):
+        batch = [meta for meta in metas[b: b + 8] for _ in range(per_prompt)]
+        emb = m.encode([meta["prompt"] for meta in batch], shapes_model.TEXT_LENGTH)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + b)
+        yield batch, emb, torch.randn(len(batch), *m.latent_shape(shapes_model.RESOLUTION), generator=g), g
+
+
 def draw_samples(score, per_prompt: int, steps: int = 40, seed: int = 0, split: str = "test") -> list[dict]:
     """`per_prompt` tiny-shapes samples of every prompt of `split` (ODE with CFG, noise seeded by `seed`), each
     judged: rows {tag, prompt, meta, image, detections, correct, dense (GenEval's dense score), reward, wrong (a
@@ -87,11 +97,7 @@ def draw_samples(score, per_prompt: int, steps: int = 40, seed: int = 0, split: 
     detector, _ = detectors.load_models("shapes")
     rng = np.random.default_rng(seed)
     rows = []
-    for b in range(0, len(metas), 8):
-        batch = [meta for meta in metas[b: b + 8] for _ in range(per_prompt)]
-        emb = m.encode([meta["prompt"] for meta in batch], shapes_model.TEXT_LENGTH)
-        g = torch.Generator().manual_seed(seed * 1_000_003 + b)
-        x = torch.randn(len(batch), *m.latent_shape(shapes_model.RESOLUTION), generator=g)
+    for batch, emb, x, _ in seeded_batches(m, metas, per_prompt, seed):
         images = [Image.fromarray(a) for a in shapes_model.ode_images(m, emb, x, steps, shapes_model.GUIDANCE)]
         dets = detector(images)
         own = score(images, [meta["prompt"] for meta in batch])
@@ -148,11 +154,7 @@ def on_branches(score, per_prompt: int, seed: int = 0) -> dict:
     detector, _ = detectors.load_models("shapes")
     cfg = RolloutConfig  # its defaults are the main job's sampler
     R, D, tags = [], [], []  # [trajectories, T]
-    for b in range(0, len(metas), 8):
-        batch = [meta for meta in metas[b: b + 8] for _ in range(per_prompt)]
-        emb = m.encode([meta["prompt"] for meta in batch], shapes_model.TEXT_LENGTH)
-        g = torch.Generator().manual_seed(seed * 1_000_003 + b)
-        x = torch.randn(len(batch), *m.latent_shape(shapes_model.RESOLUTION), generator=g)
+    for batch, emb, x, g in seeded_batches(m, metas, per_prompt, seed):
         along = shapes_model.branch_images(m, emb, x, cfg.steps, shapes_model.GUIDANCE, cfg.sampler, cfg.noise_level, g)
         T = along.shape[1]
         images = [Image.fromarray(a) for a in along.reshape(-1, *along.shape[2:])]

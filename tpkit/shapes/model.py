@@ -637,13 +637,20 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
 # --------------------------------------------------------------------------------------------
 
 
+def _complete(m, emb: dict, x: torch.Tensor, sigmas, k: int, guidance: float, v: torch.Tensor | None = None) -> np.ndarray:
+    """Euler ODE steps with CFG from the state x at sigmas[k] to sigma = 0 -> uint8 [B, H, W, 3]. v: v(x) when the
+    caller has it already (one network call saved)."""
+    for t in range(k, len(sigmas) - 1):
+        if v is None:
+            v = m.velocity(x, torch.full((len(x),), sigmas[t]), emb, guidance)
+        x, v = formulas.ode_step(x, v, sigmas[t], sigmas[t + 1]), None
+    return m.decode(x)
+
+
 def ode_images(m, emb: dict, x: torch.Tensor, steps: int, guidance: float) -> np.ndarray:
     """The evaluation sampler: `steps` Euler ODE steps with CFG from the noise x -> uint8 [B, H, W, 3]."""
-    sigmas = m.sigmas(steps, RESOLUTION)
     with torch.no_grad():
-        for t in range(steps):
-            x = formulas.ode_step(x, m.velocity(x, torch.full((len(x),), sigmas[t]), emb, guidance), sigmas[t], sigmas[t + 1])
-    return m.decode(x)
+        return _complete(m, emb, x, m.sigmas(steps, RESOLUTION), 0, guidance)
 
 
 def branch_images(m, emb: dict, x: torch.Tensor, steps: int, guidance: float, sampler: str, noise_level: float,
@@ -657,11 +664,7 @@ def branch_images(m, emb: dict, x: torch.Tensor, steps: int, guidance: float, sa
     with torch.no_grad():
         for k in range(steps):
             v = m.velocity(x, torch.full((len(x),), sigmas[k]), emb, guidance)
-            y = formulas.ode_step(x, v, sigmas[k], sigmas[k + 1])
-            for t in range(k + 1, steps):
-                y = formulas.ode_step(y, m.velocity(y, torch.full((len(y),), sigmas[t]), emb, guidance), sigmas[t],
-                                      sigmas[t + 1])
-            out.append(m.decode(y))
+            out.append(_complete(m, emb, x, sigmas, k, guidance, v))
             if k < steps - 1:
                 eps = torch.randn(x.shape, generator=gen)
                 x = formulas.stochastic_step(sampler, x, v, sigmas[k], sigmas[k + 1], noise_level, sigmas[1],
