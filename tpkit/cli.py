@@ -515,6 +515,9 @@ def pretrain_shapes_reward(
                                                  "mirrored, captioned with the relation flipped (0: none)."),
     shift_consistency: Optional[float] = typer.Option(None, help="Weight of a training-only term: a render moved by "
                                                       "a few pixels keeps the reward it had (0: none)."),
+    detector_aux: Optional[float] = typer.Option(None, help="Weight of a training-only head that regresses, from the "
+                                                 "image embedding, what the shapes detector finds in the generator's "
+                                                 "samples: objects of each colour and class (0: none)."),
     absolute_pairs: Optional[int] = typer.Option(None, help="Pairs of a batch that are one shape and its mirror, "
                                                  "captioned where it is ('a photo of a circle on the left'; 0: none)."),
     relation_start: Optional[int] = typer.Option(None, help="Position prompts from this step on (0: from the first): "
@@ -534,7 +537,8 @@ def pretrain_shapes_reward(
                         ("samples_per_prompt", samples_per_prompt), ("bank", bank), ("graded_pairs", graded_pairs),
                         ("graded_by", graded_by), ("caption_pairs", caption_pairs),
                         ("layout_aux", layout_aux), ("mirror_pairs", mirror_pairs),
-                        ("shift_consistency", shift_consistency), ("absolute_pairs", absolute_pairs),
+                        ("shift_consistency", shift_consistency), ("detector_aux", detector_aux),
+                        ("absolute_pairs", absolute_pairs),
                         ("relation_start", relation_start)):
         if value is not None:
             setattr(recipe, name, value)
