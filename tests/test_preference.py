@@ -250,6 +250,9 @@ def test_width_makes_a_wider_model_of_heads_of_32_and_the_history_keeps_the_minu
     assert cli(*argv, "--width", "48") == 2 and "multiple of 32" in capfd.readouterr().err
     with pytest.raises(preference.InputError, match=r"heads=6\)"):  # a Python caller's own heads
         preference.Recipe(arch=preference.Arch(width=192, heads=4)).validate()
+    for arch in (preference.Arch(width=True), preference.Arch(patch=True)):  # a bool is an int to Python, not here
+        with pytest.raises(preference.InputError, match="True must"):
+            preference.Recipe(arch=arch).validate()
     assert not (tmp_path / "x").exists() and cli("pretrain-shapes-reward", "--out", tmp_path / "x", "--width", "0") == 2
     assert not (tmp_path / "x").exists()
 
@@ -587,6 +590,72 @@ def test_caption_pairs_rank_a_samples_captions_by_what_the_detector_sees(tmp_pat
     assert preference.batch_for(dataclasses.replace(r, rank_start=1), 0, str(path)).captioned is None  # not yet
     with pytest.raises(InputError, match="--caption-pairs"):
         dataclasses.replace(r, caption_pairs=-1).validate()
+
+
+def test_detector_aux_regresses_what_the_detector_finds_in_bank_samples(tmp_path, monkeypatch, capfd):
+    """detected_counts counts a crisp scene's objects by colour and class as they are drawn. With --detector-aux
+    each batch from rank_start holds bank samples and the counts the detector found in them (detected once and
+    kept beside the bank), the head trains beside the model, resumes from state.pt and is not saved with it; another
+    weight is another recipe."""
+    from transformers import CLIPModel
+
+    from tpkit.geneval import detectors
+
+    rng = np.random.default_rng(0)
+    metas = [shapes.split_prompts(t, "train")[0] for t in ("counting", "color_attr")]
+    scenes_ = [shapes.scene_for(m, rng) for m in metas]
+    images = np.stack([shapes.render(s, preference.SIZE) for s in scenes_])
+    path = tmp_path / "bank" / preference.BANK
+    path.parent.mkdir()
+    np.savez(path, images=images, prompts=np.array([m["prompt"] for m in metas]), dense=np.array([1.0, 1.0]),
+             correct=np.array([True, True]), settings=np.array("test"))
+    counts = preference._bank_counts(str(path))
+    for scene, row in zip(scenes_, counts):
+        drawn = np.zeros(len(preference.DETECTED))
+        for o in scene.objects:
+            drawn[preference.DETECTED.index((o.colour, o.shape))] += 1
+        assert row.tolist() == drawn.tolist(), (scene, row)
+    preference._bank_counts.cache_clear()  # another process: it reads them, the detector unused
+    with monkeypatch.context() as m:
+        m.setattr(detectors, "load_models", lambda *a, **k: pytest.fail("the bank was detected again"))
+        assert np.array_equal(preference._bank_counts(str(path)), counts)
+
+    r = preference.Recipe(pairs=2, negatives=2, sample_pairs=0, detector_aux=1.0, rank_start=0)
+    batch = preference.batch_for(r, 0, str(path))
+    assert batch.detected.shape == (preference.DETECTED_IMAGES, 3, preference.SIZE, preference.SIZE)
+    pixels = ((batch.detected.permute(0, 2, 3, 1) * 0.5 + 0.5) * 255).round().to(torch.uint8).numpy()
+    where = [int(np.flatnonzero((images == im).all(axis=(1, 2, 3)))[0]) for im in pixels]
+    assert torch.equal(batch.counts, torch.from_numpy(counts[where]))
+    model, processor = preference.build()
+    head = preference.detector_head(preference.Arch())
+    value, info = preference.loss(model, processor.tokenizer, batch, counts_head=head, detector_weight=1.0)
+    assert torch.isfinite(value) and info["detector_loss"] > 0
+    assert preference.batch_for(dataclasses.replace(r, detector_aux=0.0), 0, str(path)).detected is None
+    assert preference.batch_for(dataclasses.replace(r, rank_start=1), 0, str(path)).detected is None  # not yet
+
+    out = tmp_path / "run"
+    out.mkdir()
+    np.savez(out / preference.BANK, **dict(np.load(path)))
+    monkeypatch.setattr(preference, "bank_settings", lambda p: preference._bank_settings(preference.Recipe()))
+    argv = ["pretrain-shapes-reward", "--out", out, "--steps", "2", "--workers", "0", "--sample-pairs", "0"]
+    assert cli(*argv, "--detector-aux", "1") == 0
+    state = torch.load(out / "state.pt", weights_only=False)
+    assert state["step"] == 2 and state["recipe"]["detector_aux"] == 1.0
+    assert state["detector_head"]["1.weight"].shape == (len(preference.DETECTED), preference.Arch().projection)
+    assert set(CLIPModel.from_pretrained(out / "model").state_dict()) == set(model.state_dict())
+    assert (out / preference.COUNTS).is_file()
+    capfd.readouterr()
+    assert cli(*argv, "--detector-aux", "0.5") == 2
+    assert "detector_aux 1.0 (now 0.5)" in " ".join(capfd.readouterr().err.split())
+    assert cli(*argv, "--detector-aux", "-1") == 2 and "detector_aux = -1.0" in " ".join(capfd.readouterr().err.split())
+    # from rank_start (here the first step) the head learns
+    early = tmp_path / "early"
+    early.mkdir()
+    np.savez(early / preference.BANK, **dict(np.load(path)))
+    preference.train(early, preference.Recipe(steps=2, sample_pairs=0, detector_aux=1.0, rank_start=0), progress=False, workers=0)
+    preference.build()
+    untrained = preference.detector_head(preference.Arch()).state_dict()["1.weight"]
+    assert not torch.equal(torch.load(early / "state.pt", weights_only=False)["detector_head"]["1.weight"], untrained)
 
 
 def test_a_bank_with_nothing_to_rank_is_refused_not_skipped(tmp_path):

@@ -37,22 +37,11 @@ from tpkit.geneval import detectors
 from tpkit.models.names import SHAPES_PICKSCORE
 from tpkit.rewards.clip import ClipEmbedder
 from tpkit.shapes import preference
-from tpkit.shapes import scenes as shapes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reward_quality import draw_samples, reward, spearman  # noqa: E402
 
-PAIRS = [(c, s) for c in shapes.COLOURS for s in shapes.SHAPES]
 PENALTIES = 10.0 ** np.arange(-3, 5)
-
-
-def counts(detections: list[dict]) -> np.ndarray:
-    """[20]: how many detections of each (colour, class)."""
-    out = np.zeros(len(PAIRS))
-    for d in detections:
-        if (d.get("color"), d["class"]) in PAIRS:
-            out[PAIRS.index((d.get("color"), d["class"]))] += 1
-    return out
 
 
 def ridge(x: np.ndarray, y: np.ndarray, penalty: float):
@@ -112,12 +101,12 @@ def main() -> None:
             bank = {k: z[k] for k in z.files}
     train_images = [Image.fromarray(a) for a in bank["images"]]
     train = {"images": train_images, "prompts": [str(p) for p in bank["prompts"]], "dense": bank["dense"],
-             "counts": np.stack([counts(d) for d in detector(train_images)])}
+             "counts": np.stack([preference.detected_counts(d) for d in detector(train_images)])}
     results: dict = {"train_samples": len(train_images), "models": {}}
     for name, folder in named.items():
         rows = draw_samples(reward(folder), 4, steps=10, split="test")
         test = {"images": [r["image"] for r in rows], "prompts": [r["prompt"] for r in rows],
-                "dense": np.array([r["dense"] for r in rows]), "counts": np.stack([counts(r["detections"]) for r in rows]),
+                "dense": np.array([r["dense"] for r in rows]), "counts": np.stack([preference.detected_counts(r["detections"]) for r in rows]),
                 "reward": np.array([r["reward"] for r in rows])}
         clip = ClipEmbedder("pickscore", folder, None, 256, "float32")
         vocab = sorted({w for p in train["prompts"] + test["prompts"] for w in p.split()})

@@ -828,14 +828,14 @@ def make_batch(rng: np.random.Generator, r: Recipe, split: str = "train", bank: 
         k = min(CONSISTENT_IMAGES, len(renders))
         moves = pixel_shifts(renders[:k], rng, SHIFT_MOST)
         batch.moved = _to_model(np.stack([np.roll(pixels[i], tuple(moves[i]), (0, 1)) for i in range(k)]))
-    b = _bank(bank) if bank is not None else None
-    if r.detector_aux and b is not None:  # from the first step: an image-only term has no text-free solution
-        idx = rng.integers(len(b["images"]), size=DETECTED_IMAGES)
-        batch.detected = _to_model(b["images"][idx] / 255.0)  # as they are: the counts are of these pixels
-        batch.counts = torch.from_numpy(_bank_counts(bank)[idx])
     if step < r.rank_start:
         return batch
     ranked = []
+    b = _bank(bank) if bank is not None else None
+    if r.detector_aux and b is not None:
+        idx = rng.integers(len(b["images"]), size=DETECTED_IMAGES)
+        batch.detected = _to_model(b["images"][idx] / 255.0)  # as they are: the counts are of these pixels
+        batch.counts = torch.from_numpy(_bank_counts(bank)[idx])
     if r.caption_pairs and b is not None:
         idx, batch.caption_pairs = _caption_pairs(rng, _caption_verdicts(bank), r.caption_pairs)
         batch.captioned = _to_model(b["images"][idx] / 255.0)  # as they are: the verdict is on these pixels
