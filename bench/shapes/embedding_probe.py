@@ -136,7 +136,9 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-        (args.out / "RESULTS.md").write_text("\n".join(lines) + "\n")
+        command = "python bench/shapes/embedding_probe.py " + " ".join(sys.argv[1:])
+        (args.out / "RESULTS.md").write_text(f"# Linear probes of frozen features\n\n`{command}` ({results['seconds']} s)\n\n"
+                                            + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
