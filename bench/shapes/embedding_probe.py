@@ -23,7 +23,6 @@ Writes OUT/results.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -39,7 +38,7 @@ from tpkit.rewards.clip import ClipEmbedder
 from tpkit.shapes import preference
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reward_quality import draw_samples, reward, spearman  # noqa: E402
+from reward_quality import draw_samples, reward, spearman, write_results  # noqa: E402
 
 PENALTIES = 10.0 ** np.arange(-3, 5)
 
@@ -132,13 +131,9 @@ def main() -> None:
     lines += [f"| {name} | {out['reward_spearman']:.3f} | " + " | ".join(f"{d['spearman']:.3f}" for d in out["dense"].values()) + " |"
               for name, out in results["models"].items()]
     results["seconds"] = round(time.time() - t0, 1)
-    print("\n".join(lines) + f"\n\n({results['seconds']} s)")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-        command = "python bench/shapes/embedding_probe.py " + " ".join(sys.argv[1:])
-        (args.out / "RESULTS.md").write_text(f"# Linear probes of frozen features\n\n`{command}` ({results['seconds']} s)\n\n"
-                                            + "\n".join(lines) + "\n")
+    command = "python bench/shapes/embedding_probe.py " + " ".join(sys.argv[1:])
+    md = ["# Linear probes of frozen features", "", f"`{command}` ({results['seconds']} s)", "", *lines]
+    write_results(args.out, results, md)
 
 
 if __name__ == "__main__":

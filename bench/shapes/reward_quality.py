@@ -181,11 +181,12 @@ def on_branches(score, per_prompt: int, seed: int = 0) -> dict:
             "spearman_within_trajectory": float(np.mean(rhos)) if rhos else None, "trajectories_with_spread": len(rhos)}
 
 
-def write_results(out: Path, result: dict, md: list[str]) -> None:
-    """OUT/results.json and OUT/RESULTS.md (the lines of `md`), and the page printed."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "RESULTS.md").write_text("\n".join(md) + "\n")
+def write_results(out: Path | None, result: dict, md: list[str]) -> None:
+    """OUT/results.json and OUT/RESULTS.md (the lines of `md`; out None: neither), and the page printed."""
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "RESULTS.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

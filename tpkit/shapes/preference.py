@@ -1090,7 +1090,8 @@ def train(out: Path, recipe: Recipe | None = None, max_minutes: float | None = N
                 history.append({"step": step, "minutes": round(elapsed(), 2), **{k: round(v, 4) for k, v in smooth.items()}})
             bar.update(task, completed=step, info=f"loss {smooth['loss']:.3f} caption acc {smooth['caption_acc']:.2f}"
                        + (f" rank acc {smooth['rank_acc']:.2f}" if "rank_acc" in smooth else "")
-                       + (f" caption rank acc {smooth['caption_rank_acc']:.2f}" if "caption_rank_acc" in smooth else ""))
+                       + (f" caption rank acc {smooth['caption_rank_acc']:.2f}" if "caption_rank_acc" in smooth else "")
+                       + (f" detector loss {smooth['detector_loss']:.2f}" if "detector_loss" in smooth else ""))
             if time.monotonic() - last > 60 * r.checkpoint_minutes:
                 checkpoint()
                 last = time.monotonic()
