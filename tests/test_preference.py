@@ -648,14 +648,18 @@ def test_detector_aux_regresses_what_the_detector_finds_in_bank_samples(tmp_path
     assert cli(*argv, "--detector-aux", "0.5") == 2
     assert "detector_aux 1.0 (now 0.5)" in " ".join(capfd.readouterr().err.split())
     assert cli(*argv, "--detector-aux", "-1") == 2 and "detector_aux = -1.0" in " ".join(capfd.readouterr().err.split())
-    # from rank_start (here the first step) the head learns
-    early = tmp_path / "early"
-    early.mkdir()
-    np.savez(early / preference.BANK, **dict(np.load(path)))
-    preference.train(early, preference.Recipe(steps=2, sample_pairs=0, detector_aux=1.0, rank_start=0), progress=False, workers=0)
-    preference.build()
+    # the head learns from rank_start (here the first step), and not before it (rank_start 5: as initialised)
+    heads = {}
+    for start in (0, 5):
+        run = tmp_path / f"start{start}"
+        run.mkdir()
+        np.savez(run / preference.BANK, **dict(np.load(path)))
+        r = preference.Recipe(steps=2, sample_pairs=0, detector_aux=1.0, rank_start=start)
+        preference.train(run, r, progress=False, workers=0)
+        heads[start] = torch.load(run / "state.pt", weights_only=False)["detector_head"]["1.weight"]
+    preference.build()  # (the heads are built right after the model, from the same random state)
     untrained = preference.detector_head(preference.Arch()).state_dict()["1.weight"]
-    assert not torch.equal(torch.load(early / "state.pt", weights_only=False)["detector_head"]["1.weight"], untrained)
+    assert torch.equal(heads[5], untrained) and not torch.equal(heads[0], untrained)
 
 
 def test_a_bank_with_nothing_to_rank_is_refused_not_skipped(tmp_path):

@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tpkit.geneval import detectors
 from tpkit.shapes import preference
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,7 +35,8 @@ from reward_quality import draw_samples, write_results  # noqa: E402
 
 
 def pixels(images: np.ndarray) -> torch.Tensor:
-    return (torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.5
+    """uint8 [N, 64, 64, 3] -> the model's input, as the reward's training feeds it."""
+    return preference._to_model(images / 255.0)
 
 
 def train_tower(images: np.ndarray, counts: np.ndarray, steps: int, batch: int = 64, lr: float = 1e-3):
@@ -86,7 +86,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     t0 = time.time()
-    detector, _ = detectors.load_models("shapes")
     rows = draw_samples(lambda images, prompts: [0.0] * len(images), 4, steps=10, split="test")
     test_images = np.stack([np.asarray(r["image"]) for r in rows])
     test_counts = np.stack([preference.detected_counts(r["detections"]) for r in rows])
@@ -95,9 +94,7 @@ def main() -> None:
         path = preference.sample_bank(Path(tmp) / "bank.npz", preference.Recipe(seed=1, samples_per_prompt=max(args.per_prompt)))
         with np.load(path) as z:
             images, prompts = z["images"], z["prompts"]
-    from PIL import Image
-
-    counts = np.stack([preference.detected_counts(d) for d in detector([Image.fromarray(a) for a in images])])
+        counts = preference._bank_counts(str(path))  # the detector's, as --detector-aux trains on them
     order = np.argsort(prompts, kind="stable")  # per prompt, its samples in drawing order: a smaller bank is a prefix
     for n in sorted(args.per_prompt):
         keep = np.concatenate([order[np.flatnonzero(prompts[order] == p)[:n]] for p in np.unique(prompts)])

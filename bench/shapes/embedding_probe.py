@@ -32,7 +32,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from tpkit.geneval import detectors
 from tpkit.models.names import SHAPES_PICKSCORE
 from tpkit.rewards.clip import ClipEmbedder
 from tpkit.shapes import preference
@@ -93,14 +92,13 @@ def main() -> None:
     args = ap.parse_args()
     named = dict(m.split("=", 1) for m in args.model) or {"shipped": SHAPES_PICKSCORE}
     t0 = time.time()
-    detector, _ = detectors.load_models("shapes")
     with tempfile.TemporaryDirectory() as tmp:
         path = preference.sample_bank(Path(tmp) / "fresh.npz", preference.Recipe(seed=1, samples_per_prompt=args.per_prompt))
         with np.load(path) as z:
             bank = {k: z[k] for k in z.files}
+        counts = preference._bank_counts(str(path))  # the detector's, as --detector-aux trains on them
     train_images = [Image.fromarray(a) for a in bank["images"]]
-    train = {"images": train_images, "prompts": [str(p) for p in bank["prompts"]], "dense": bank["dense"],
-             "counts": np.stack([preference.detected_counts(d) for d in detector(train_images)])}
+    train = {"images": train_images, "prompts": [str(p) for p in bank["prompts"]], "dense": bank["dense"], "counts": counts}
     results: dict = {"train_samples": len(train_images), "models": {}}
     for name, folder in named.items():
         rows = draw_samples(reward(folder), 4, steps=10, split="test")
